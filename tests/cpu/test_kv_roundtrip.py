@@ -1,0 +1,71 @@
+"""MHA and MLA host pools over kvcached-shaped device pools: byte-exact round trips.
+
+On SGLang 0.5.20 without the series these fail for every kvcached-contiguous case
+(MHA: AttributeError, no k_data_ptrs; MLA: host rows differ from the device rows),
+which tests/cpu/test_unpatched_fails.py checks by running this file on the pristine tree.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.kvcached_views import LAYOUTS, mha_pool, mla_pool
+from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
+
+LAYERS, HEADS, HEAD_DIM = 4, 2, 64
+KV_LORA_RANK, ROPE_DIM = 96, 32
+DEVICE_PAGES = 12
+TRIPS = 12
+
+HOST_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct"),
+              ("page_first_direct", "direct")]
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
+
+
+def host_rows_fn(host, buffer_index, layout, layer_refs):
+    """Layer l's host rows, whatever the host layout."""
+    if layout == "page_first_direct":
+        buffer = host.kv_buffer[buffer_index] if buffer_index is not None else host.kv_buffer
+        return lambda l: buffer[:, l].reshape(-1, *buffer.shape[3:])
+    return lambda l: layer_refs[l]
+
+
+def run(kind, pool, host, families, page_size, io_backend):
+    generator = torch.Generator().manual_seed(3)
+    used_pages = list(range(1, DEVICE_PAGES))
+    fill_random(families, pages_to_rows(used_pages, page_size), generator)
+    poison(host.kv_buffer, generator)
+    rt = RoundTrip(
+        families, used_pages, range(1, host.size // page_size), page_size, pool.layer_num,
+        backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, io_backend),
+        load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, io_backend),
+        seed=5, device="cpu",
+    )
+    rt.run(TRIPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("host_layout,io_backend", HOST_CASES)
+@pytest.mark.parametrize("device_layout", LAYOUTS)
+def test_mha(host_modules, device_layout, host_layout, io_backend, page_size, dtype):
+    pool = mha_pool(device_layout, size=DEVICE_PAGES * page_size, page_size=page_size, layers=LAYERS,
+                    heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
+    host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, page_size, host_layout, pin_memory=False,
+                                                 device="cpu")
+    families = [Rows("K", pool.k_buffer, host_rows_fn(host, 0, host_layout, host.k_data_refs)),
+                Rows("V", pool.v_buffer, host_rows_fn(host, 1, host_layout, host.v_data_refs))]
+    run("MHA", pool, host, families, page_size, io_backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("host_layout,io_backend", HOST_CASES)
+@pytest.mark.parametrize("device_layout", LAYOUTS)
+def test_mla(host_modules, device_layout, host_layout, io_backend, page_size, dtype):
+    pool = mla_pool(device_layout, size=DEVICE_PAGES * page_size, page_size=page_size, layers=LAYERS,
+                    kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, dtype=dtype)
+    host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, page_size, host_layout, pin_memory=False,
+                                                 device="cpu")
+    families = [Rows("KV", pool.kv_buffer, host_rows_fn(host, None, host_layout, host.data_refs))]
+    run("MLA", pool, host, families, page_size, io_backend)

@@ -1,0 +1,49 @@
+"""GPU tier: real kvcached 0.1.6 elastic pools, real SGLang host pools, real JIT kernels.
+
+kvcached reads KVCACHED_CONTIGUOUS_LAYOUT when it is imported, so one pytest process
+covers one kvcached layout; `make test-gpu` runs the tier once per layout. Each test
+appends one JSON line (configuration, trips, result) to $GPU_RESULTS for the table in
+docs/gpu-results.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("ENABLE_KVCACHED", "true")
+os.environ.setdefault("KVCACHED_AUTOPATCH", "1")
+os.environ.setdefault("KVCACHED_PAGE_SIZE_MB", "4")  # a GDN state cell is over 2 MiB
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("the GPU tier needs a CUDA device", allow_module_level=True)
+
+import kvcached.integration.sglang.autopatch  # noqa: E402,F401  (before sglang)
+import sglang  # noqa: E402,F401
+import sglang.srt.distributed as _dist  # noqa: E402
+
+# Outside a server the TP getters assert; kvcached's pools call them.
+_dist.get_tensor_model_parallel_rank = lambda: 0
+_dist.get_tensor_model_parallel_world_size = lambda: 1
+_dist.get_pipeline_model_parallel_rank = lambda: 0
+
+import kvcached.utils as _kvc_utils  # noqa: E402
+
+LAYOUT = "contiguous" if _kvc_utils.CONTIGUOUS_LAYOUT else "per-layer"
+TRIPS = int(os.environ.get("GPU_TRIPS", "1000"))
+
+
+def record(**row):
+    row.update(kvcached_layout=LAYOUT, gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    path = os.environ.get("GPU_RESULTS")
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture
+def trips():
+    return TRIPS

@@ -1,0 +1,127 @@
+"""One round-trip checker for every pool kind, used by the CPU and GPU tiers.
+
+A trip backs up random pages (slots, for Mamba) of a device pool to random host pages
+through the host pool's own ``backup_from_device_all_layer``, then loads them layer by
+layer into other random device pages through ``load_to_device_per_layer``, and checks
+content, not calls:
+
+* the host rows equal the device rows they were backed up from, per layer and state;
+* the device rows loaded back equal the originals, byte for byte;
+* nothing else changed: every device row in use and every host row are compared, at
+  the end, with an independent model of what the trips wrote. Every byte starts out
+  random, so a stray write or a wrong stride shows.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Rows:
+    """A family of per-layer tensors (K, V, KV, or one Mamba state) on both sides.
+
+    device: layer l's device view, indexed by device row (token or slot).
+    host:   returns layer l's host image, indexed by host row (may be a copy).
+    """
+
+    name: str
+    device: list[torch.Tensor]
+    host: Callable[[int], torch.Tensor]
+
+
+def pages_to_rows(pages, page_size: int) -> torch.Tensor:
+    base = torch.as_tensor(list(pages), dtype=torch.int64)[:, None] * page_size
+    return (base + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's rows as raw bytes: (rows, bytes_per_row)."""
+    tensor = tensor.contiguous()
+    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
+
+
+def random_rows(like: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Random bytes shaped like `rows` rows of `like` (any bit pattern: we compare bytes)."""
+    nbytes = rows * like[0].numel() * like.element_size()
+    raw = torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
+    return raw.view(like.dtype).reshape(rows, *like.shape[1:])
+
+
+def fill_random(families: list[Rows], used: torch.Tensor, generator: torch.Generator):
+    for family in families:
+        for view in family.device:
+            view[used.to(view.device)] = random_rows(view, used.numel(), generator).to(view.device)
+
+
+def poison(tensor: torch.Tensor, generator: torch.Generator):
+    flat = tensor.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, generator=generator, dtype=torch.uint8).to(flat.device))
+
+
+class RoundTrip:
+    """Runs trips over one (device pool, host pool) pair and keeps the expected model.
+
+    backup(host_rows, device_rows) and load(host_rows, device_rows, layer) call the host
+    pool the way SGLang's cache controller does (indices on the devices it uses).
+    """
+
+    def __init__(self, families, used_pages, host_pages, page_size, num_layers,
+                 backup, load, *, seed=0, max_pages=4, device="cuda"):
+        self.families, self.page_size, self.num_layers = families, page_size, num_layers
+        self.used_pages, self.host_pages = list(used_pages), list(host_pages)
+        self.backup, self.load, self.device = backup, load, device
+        self.max_pages = max_pages
+        self.rng = random.Random(seed)
+        self.used = pages_to_rows(self.used_pages, page_size)
+        self.position = {row: i for i, row in enumerate(self.used.tolist())}
+        self.expect_device = [[as_bytes(v[self.used.to(v.device)]).clone() for v in f.device] for f in families]
+        self.expect_host = [[as_bytes(f.host(l)).clone() for l in range(num_layers)] for f in families]
+
+    def _sync(self):
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    def trip(self):
+        n = self.rng.randint(1, self.max_pages)
+        chosen = self.rng.sample(self.used_pages, 2 * n)
+        src = pages_to_rows(chosen[:n], self.page_size)
+        dst = pages_to_rows(chosen[n:], self.page_size)
+        hst = pages_to_rows(self.rng.sample(self.host_pages, n), self.page_size)
+        self.backup(hst, src.to(self.device))
+        self._sync()
+        src_pos = torch.tensor([self.position[r] for r in src.tolist()])
+        dst_pos = torch.tensor([self.position[r] for r in dst.tolist()])
+        for family, expected, host_model in zip(self.families, self.expect_device, self.expect_host):
+            for layer in range(self.num_layers):
+                original = expected[layer][src_pos.to(expected[layer].device)]
+                host_rows = as_bytes(family.host(layer)[hst])
+                assert torch.equal(host_rows, original.cpu()), (
+                    f"{family.name} layer {layer}: host rows differ from the device rows backed up")
+                host_model[layer][hst] = original.cpu()
+        for layer in range(self.num_layers):
+            self.load(hst, dst.to(self.device), layer)
+        self._sync()
+        for family, expected in zip(self.families, self.expect_device):
+            for layer, view in enumerate(family.device):
+                original = expected[layer][src_pos.to(expected[layer].device)]
+                loaded = as_bytes(view[dst.to(view.device)])
+                assert torch.equal(loaded, original), (
+                    f"{family.name} layer {layer}: rows loaded back differ from the originals")
+                expected[layer][dst_pos.to(expected[layer].device)] = original
+
+    def check_untouched(self):
+        for family, expected, host_model in zip(self.families, self.expect_device, self.expect_host):
+            for layer, view in enumerate(family.device):
+                assert torch.equal(as_bytes(view[self.used.to(view.device)]), expected[layer]), (
+                    f"{family.name} layer {layer}: device rows no trip targeted changed")
+                assert torch.equal(as_bytes(family.host(layer)), host_model[layer]), (
+                    f"{family.name} layer {layer}: host rows no trip targeted changed")
+
+    def run(self, trips: int):
+        for _ in range(trips):
+            self.trip()
+        self.check_untouched()

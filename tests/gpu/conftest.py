@@ -15,7 +15,7 @@ import pytest
 
 os.environ.setdefault("ENABLE_KVCACHED", "true")
 os.environ.setdefault("KVCACHED_AUTOPATCH", "1")
-os.environ.setdefault("KVCACHED_PAGE_SIZE_MB", "4")  # a GDN state cell is over 2 MiB
+# KVCACHED_PAGE_SIZE_MB is set per run by run_tier.sh (GDN cells need 4 MiB pages).
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():

@@ -35,7 +35,7 @@ MODES = {
 }
 PAGE = 64
 TOKENS = [64, 256, 1024, 4096, 16384, 65536]
-SLOTS = [1, 4, 16, 64, 128]
+SLOTS = [1, 4, 16, 64]
 
 
 def cuda_median(fn, reps, warmup=3):

@@ -154,7 +154,9 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
                             mamba_layer_ids=list(range(len(m.linear_layers))), device="cuda")
         if hasattr(pool, "kvcached_allocator"):
             pool.kvcached_allocator._wait_post_init()
-        used = pool.alloc(max(SLOTS)).cuda()
+        # Elastic pools allocate slots themselves; SGLang's own pool leaves that to
+        # its HybridReqToTokenPool, so take slots 1..n (0 is the null slot) there.
+        used = (pool.alloc(max(SLOTS)) if hasattr(pool, "alloc") else torch.arange(1, max(SLOTS) + 1)).cuda()
         layers = len(m.linear_layers)
         for l in range(layers):
             st = pool.mamba_cache.at_layer_idx(l)

@@ -102,7 +102,7 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
 
     for part in [p for p in ("mha", "mla") if p in parts]:
         n_pages = max_tokens // PAGE + 8
-        size = (n_pages + 8) * PAGE
+        size = (n_pages + 64) * PAGE  # kvcached keeps a few blocks back
         if part == "mha":
             s = QWEN25_7B
             pool = mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads, head_dim=s.head_dim,

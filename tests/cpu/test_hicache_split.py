@@ -1,0 +1,96 @@
+"""--hicache-size is shared by the tokens each device pool serves, elastic or not.
+
+The device pools are model-shaped (Qwen3.5-4B, gpt-oss-20b) but built on the meta
+device: the split reads shapes and byte counts, never data, so kvcached's VA-sized
+buffers (a GPU's memory each) cost nothing here. On SGLang 0.5.20 without the series
+the elastic shares differ from native's (the Mamba host pool starves).
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.support.models import GPT_OSS_20B, QWEN35_4B
+
+GPU_BYTES = 80 * 10**9  # an 80 GB card
+KVCACHED_PAGE = 2 << 20
+PAGE = 64
+
+
+def kv_pool(layout, *, size, layers, heads, head_dim, dtype=torch.bfloat16):
+    """An MHA device pool's buffers as SGLang (native) or kvcached would shape them."""
+    row = heads * head_dim * dtype.itemsize
+    rows = size + PAGE
+    if layout != "native":  # kvcached: every layer's buffer spans its share of the VA reservation
+        per_layer = GPU_BYTES // layers // 2 // KVCACHED_PAGE * KVCACHED_PAGE
+        rows = per_layer // (PAGE * row) * PAGE
+    if layout == "kvcached-contiguous":
+        whole = torch.empty((rows, layers, 2, heads, head_dim), dtype=dtype, device="meta")
+        k = [whole[:, l, 0] for l in range(layers)]
+        v = [whole[:, l, 1] for l in range(layers)]
+    else:
+        k = [torch.empty((rows, heads, head_dim), dtype=dtype, device="meta") for _ in range(layers)]
+        v = [torch.empty((rows, heads, head_dim), dtype=dtype, device="meta") for _ in range(layers)]
+    nbytes = lambda views: sum(t.numel() for t in views) * dtype.itemsize
+    return SimpleNamespace(k_buffer=k, v_buffer=v, size=size, page_size=PAGE,
+                           get_kv_size_bytes=lambda: (nbytes(k), nbytes(v)))
+
+
+def mamba_pool(model, slots):
+    """MambaPool.get_kv_size_bytes counts its (slots + 1) states per layer, elastic or not."""
+    conv = math.prod(model.conv_state_shape) * 2
+    ssm = math.prod(model.temporal_state_shape) * 4
+    return SimpleNamespace(size=slots, get_kv_size_bytes=lambda: len(model.linear_layers) * (slots + 1) * (conv + ssm))
+
+
+@pytest.fixture
+def split():
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _split_hicache_size
+
+    return _split_hicache_size
+
+
+def qwen35_pools(layout):
+    m = QWEN35_4B
+    kv = kv_pool(layout, size=200_000, layers=len(m.full_attention_layers), heads=m.kv_heads, head_dim=m.head_dim)
+    return kv, mamba_pool(m, slots=64)
+
+
+@pytest.mark.parametrize("layout", ["kvcached-contiguous", "kvcached-per-layer"])
+def test_qwen35_mamba_split_equals_native(split, layout):
+    native = split(14, qwen35_pools("native"))
+    elastic = split(14, qwen35_pools(layout))
+    assert elastic == pytest.approx(native, rel=1e-12)
+    m = QWEN35_4B
+    slot_bytes = len(m.linear_layers) * (math.prod(m.conv_state_shape) * 2 + math.prod(m.temporal_state_shape) * 4)
+    assert int(elastic[1] * 1e9 // slot_bytes) == int(native[1] * 1e9 // slot_bytes)
+    assert sum(elastic) == pytest.approx(14, abs=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["kvcached-contiguous", "kvcached-per-layer"])
+def test_swa_split_equals_native(split, layout):
+    m = GPT_OSS_20B
+    half = m.layers // 2
+
+    def pools(kind):
+        full = kv_pool(kind, size=300_000, layers=half, heads=m.kv_heads, head_dim=m.head_dim)
+        window = kv_pool(kind, size=40_000, layers=half, heads=m.kv_heads, head_dim=m.head_dim)
+        return full, window
+
+    native, elastic = split(20, pools("native")), split(20, pools(layout))
+    assert elastic == pytest.approx(native, rel=1e-12)
+    assert native[0] / native[1] == pytest.approx((300_000 + PAGE) / (40_000 + PAGE))
+
+
+def test_zero_bytes_do_not_divide_by_zero(split):
+    empty = SimpleNamespace(k_buffer=[], v_buffer=[], size=0, page_size=PAGE, get_kv_size_bytes=lambda: (0, 0))
+    shares = split(10, (empty, empty))
+    assert shares == (5.0, 5.0)
+
+
+def test_shares_add_up_to_the_budget(split):
+    shares = split(7, qwen35_pools("kvcached-contiguous"))
+    assert math.fsum(shares) == 7

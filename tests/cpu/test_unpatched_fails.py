@@ -1,0 +1,41 @@
+"""The CPU tier's checks fail on SGLang 0.5.20 without the series.
+
+Runs the round-trip, split and refusal tests in a subprocess against the pristine tree
+($PRISTINE_SGLANG) and asserts that the cases the series fixes fail there, so none of
+those tests could pass whatever the code did.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRISTINE = os.environ.get("PRISTINE_SGLANG")
+
+
+@pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
+def test_fixed_cases_fail_on_the_pristine_tree():
+    files = ["tests/cpu/test_kv_roundtrip.py", "tests/cpu/test_mamba_roundtrip.py",
+             "tests/cpu/test_hicache_split.py", "tests/cpu/test_refusals.py"]
+    env = dict(os.environ, PYTHONPATH=f"{PRISTINE}:{ROOT}")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *files],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    failed = {line.split()[1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED ")}
+    expected = [
+        "test_kv_roundtrip.py::test_mha[kvcached-contiguous-layer_first-kernel-64-bf16]",
+        "test_kv_roundtrip.py::test_mha[kvcached-contiguous-page_first-kernel-16-fp8]",
+        "test_kv_roundtrip.py::test_mla[kvcached-contiguous-layer_first-kernel-1-bf16]",
+        "test_kv_roundtrip.py::test_mla[kvcached-contiguous-page_first-kernel-64-bf16]",
+        "test_mamba_roundtrip.py::test_host_pool_sees_the_model_geometry[kvcached-per-layer]",
+        "test_mamba_roundtrip.py::test_round_trips[kvcached-contiguous-page_first-kernel]",
+        "test_hicache_split.py::test_qwen35_mamba_split_equals_native[kvcached-contiguous]",
+        "test_hicache_split.py::test_swa_split_equals_native[kvcached-per-layer]",
+        "test_refusals.py::test_mha_page_head",
+        "test_refusals.py::test_mla_decode_context_parallel",
+    ]
+    missing = [case for case in expected if f"tests/cpu/{case}" not in failed]
+    assert not missing, f"expected to fail on the pristine tree but did not: {missing}\n{proc.stdout[-3000:]}"
+    # Native pools (dense views) are served the same with or without the series.
+    assert "tests/cpu/test_kv_roundtrip.py::test_mha[native-layer_first-kernel-16-bf16]" not in failed

@@ -7,7 +7,6 @@ round trips fail the content checks, per-layer-layout Mamba raises "item_size mu
 """
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from tests.gpu.conftest import LAYOUT, record
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
-from tests.support.roundtrip import RoundTrip, Rows, fill_random, poison
+from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
 
 PAGE = 64
 DEVICE_PAGES = 64  # device pool of 4096 tokens; trips use 48 allocated pages
@@ -38,7 +37,6 @@ def elastic(pool):
 
 
 def run_kv_roundtrip(kind, pool, host, families, used_pages, trips, layout):
-    generator = torch.Generator().manual_seed(1)
     host_pages = range(1, host.size // PAGE)
     rt = RoundTrip(
         families, used_pages, host_pages, PAGE, len(families[0].device),
@@ -50,7 +48,6 @@ def run_kv_roundtrip(kind, pool, host, families, used_pages, trips, layout):
     rt.run(trips)
     record(test=kind, host_layout=layout, io_backend="kernel", trips=trips, result="pass",
            device_stride_bytes=getattr(host, "device_token_stride_bytes", None), seconds=round(time.time() - start, 1))
-    del generator
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -64,7 +61,6 @@ def test_mha_qwen25_7b(layout, trips):
     host = MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
     families = [Rows("K", pool.k_buffer, lambda l: host.k_data_refs[l]),
                 Rows("V", pool.v_buffer, lambda l: host.v_data_refs[l])]
-    from tests.support.roundtrip import pages_to_rows
     fill_random(families, pages_to_rows(used_pages, PAGE), generator)
     poison(host.kv_buffer, generator)
     try:
@@ -83,7 +79,6 @@ def test_mla_deepseek_v2_lite(layout, trips):
     generator = torch.Generator().manual_seed(0)
     host = MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
     families = [Rows("KV", pool.kv_buffer, lambda l: host.data_refs[l])]
-    from tests.support.roundtrip import pages_to_rows
     fill_random(families, pages_to_rows(used_pages, PAGE), generator)
     poison(host.kv_buffer, generator)
     try:

@@ -10,7 +10,6 @@ The sources these mirror are named beside each function.
 from __future__ import annotations
 
 import ctypes
-import inspect
 
 import torch
 
@@ -170,6 +169,3 @@ def install(monkeypatch, *modules):
             if hasattr(module, gate):
                 monkeypatch.setattr(module, gate, lambda **kwargs: True)
 
-
-def accepts(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters

@@ -18,10 +18,11 @@ import csv
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,16 +201,25 @@ def git_apply(target: Target, patches: list[Path], *, reverse=False, check=False
 
     A throwaway GIT_DIR keeps git from discovering an enclosing repository (an
     installed tree inside an editable checkout, say), so paths are always relative to
-    ``target.root``.
+    ``target.root``. git's own ``--check`` does not carry a file's state from one patch
+    to the next, so a series with two patches to one file would never check; a check
+    applies for real to a scratch copy of the touched files instead.
     """
+    if check:
+        with tempfile.TemporaryDirectory(prefix="series-check-") as scratch:
+            for upstream_path in {p for patch in patches for p in touched_files(patch)}:
+                source = target.local_path(upstream_path)
+                if source.exists():
+                    copy = Path(scratch) / source.relative_to(target.root)
+                    copy.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(source, copy)
+            return git_apply(replace(target, root=Path(scratch)), patches, reverse=reverse)
     with tempfile.TemporaryDirectory(prefix="series-git-") as git_dir:
         subprocess.run(["git", "init", "-q", "--bare", git_dir], check=True)
         env = dict(os.environ, GIT_DIR=git_dir, GIT_WORK_TREE=str(target.root))
         cmd = ["git", "apply", f"-p{target.strip}", "--whitespace=nowarn"]
         if reverse:
             cmd.append("--reverse")
-        if check:
-            cmd.append("--check")
         ordered = list(reversed(patches)) if reverse else list(patches)
         cmd += [str(p) for p in ordered]
         return subprocess.run(cmd, cwd=target.root, env=env, capture_output=True, text=True)

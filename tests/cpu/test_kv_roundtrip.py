@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.kvcached_views import LAYOUTS, mha_pool, mla_pool
-from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
+from tests.support.roundtrip import RoundTrip, fill_random, mha_families, mla_families, pages_to_rows, poison
 
 LAYERS, HEADS, HEAD_DIM = 4, 2, 64
 KV_LORA_RANK, ROPE_DIM = 96, 32
@@ -20,14 +20,6 @@ TRIPS = 12
 HOST_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct"),
               ("page_first_direct", "direct")]
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
-
-
-def host_rows_fn(host, buffer_index, layout, layer_refs):
-    """Layer l's host rows, whatever the host layout."""
-    if layout == "page_first_direct":
-        buffer = host.kv_buffer[buffer_index] if buffer_index is not None else host.kv_buffer
-        return lambda l: buffer[:, l].reshape(-1, *buffer.shape[3:])
-    return lambda l: layer_refs[l]
 
 
 def run(kind, pool, host, families, page_size, io_backend):
@@ -53,9 +45,7 @@ def test_mha(host_modules, device_layout, host_layout, io_backend, page_size, dt
                     heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
     host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, page_size, host_layout, pin_memory=False,
                                                  device="cpu")
-    families = [Rows("K", pool.k_buffer, host_rows_fn(host, 0, host_layout, host.k_data_refs)),
-                Rows("V", pool.v_buffer, host_rows_fn(host, 1, host_layout, host.v_data_refs))]
-    run("MHA", pool, host, families, page_size, io_backend)
+    run("MHA", pool, host, mha_families(pool, host), page_size, io_backend)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
@@ -67,5 +57,4 @@ def test_mla(host_modules, device_layout, host_layout, io_backend, page_size, dt
                     kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, dtype=dtype)
     host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, page_size, host_layout, pin_memory=False,
                                                  device="cpu")
-    families = [Rows("KV", pool.kv_buffer, host_rows_fn(host, None, host_layout, host.data_refs))]
-    run("MLA", pool, host, families, page_size, io_backend)
+    run("MLA", pool, host, mla_families(pool, host), page_size, io_backend)

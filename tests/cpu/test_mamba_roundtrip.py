@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.kvcached_views import LAYOUTS, mamba_pool
-from tests.support.roundtrip import RoundTrip, Rows, fill_random, poison
+from tests.support.roundtrip import RoundTrip, fill_random, mamba_families, poison
 
 LAYERS, SLOTS = 3, 10
 CONV_SHAPES = [(96, 3)]          # 576 B per slot and layer
@@ -26,14 +26,6 @@ def build(host_modules, layout, host_layout="page_first"):
                       temporal_shape=TEMPORAL_SHAPE, page_bytes=PAGE_BYTES)
     host = host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu", layout=host_layout)
     return pool, host
-
-
-def families(pool, host):
-    states = [pool.mamba_cache.at_layer_idx(l) for l in range(LAYERS)]
-    out = [Rows("temporal", [s.temporal for s in states], lambda l: host.temporal_buffer[:, l, 0])]
-    for i in range(len(CONV_SHAPES)):
-        out.append(Rows(f"conv{i}", [s.conv[i] for s in states], lambda l, i=i: host.conv_buffer[i][:, l, 0]))
-    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -52,7 +44,7 @@ def test_host_pool_sees_the_model_geometry(host_modules, layout):
 def test_round_trips(host_modules, layout, host_layout, io_backend):
     pool, host = build(host_modules, layout, host_layout)
     generator = torch.Generator().manual_seed(2)
-    fams = families(pool, host)
+    fams = mamba_families(pool, host)
     used = list(range(1, SLOTS + 1))
     fill_random(fams, torch.tensor(used), generator)
     for buffer in (host.temporal_buffer, *host.conv_buffer):

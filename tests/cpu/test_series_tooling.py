@@ -114,3 +114,26 @@ def test_bad_paths_get_a_clear_error(tmp_path, bad):
     assert proc.returncode != 0 and proc.stderr.startswith("error: ")
     assert {"missing": "no such directory", "not-sglang": "not an SGLang tree",
             "package-itself": "pass the folder that holds it"}[bad] in proc.stderr
+
+
+def test_two_patches_to_one_file_are_checked_in_sequence(tmp_path):
+    """git apply --check forgets the first patch's result; the tooling must not."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import _series as s
+
+    (tmp_path / "sglang").mkdir()
+    source = tmp_path / "sglang" / "x.py"
+    source.write_text("a\n")
+    patches = []
+    for i, (old, new) in enumerate((("a", "b"), ("b", "c"))):
+        patch = tmp_path / f"{i}.patch"
+        patch.write_text(f"diff --git a/python/sglang/x.py b/python/sglang/x.py\n--- a/python/sglang/x.py\n"
+                         f"+++ b/python/sglang/x.py\n@@ -1 +1 @@\n-{old}\n+{new}\n")
+        patches.append(patch)
+    target = s.Target(tmp_path, 2, "installed")
+    assert s.series_state(target, patches) == "pristine"
+    assert source.read_text() == "a\n"  # a check changes nothing
+    assert s.git_apply(target, patches[:1]).returncode == 0
+    assert s.series_state(target, patches) == "partial" and s.applied_prefix(target, patches) == 1
+    assert s.git_apply(target, patches[1:]).returncode == 0
+    assert s.series_state(target, patches) == "applied" and source.read_text() == "c\n"

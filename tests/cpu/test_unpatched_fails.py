@@ -1,6 +1,6 @@
 """The CPU tier's checks fail on SGLang 0.5.20 without the series.
 
-Runs the round-trip, split and refusal tests in a subprocess against the pristine tree
+Runs the round-trip, split, refusal and controller tests in a subprocess against the pristine tree
 ($PRISTINE_SGLANG) and asserts that the cases the series fixes fail there, so none of
 those tests could pass whatever the code did.
 """
@@ -18,7 +18,7 @@ PRISTINE = os.environ.get("PRISTINE_SGLANG")
 @pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
 def test_fixed_cases_fail_on_the_pristine_tree():
     files = ["tests/cpu/test_kv_roundtrip.py", "tests/cpu/test_mamba_roundtrip.py",
-             "tests/cpu/test_hicache_split.py", "tests/cpu/test_refusals.py"]
+             "tests/cpu/test_hicache_split.py", "tests/cpu/test_refusals.py", "tests/cpu/test_controller.py"]
     env = dict(os.environ, PYTHONPATH=f"{PRISTINE}:{ROOT}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *files],
                           cwd=ROOT, env=env, capture_output=True, text=True)
@@ -34,8 +34,15 @@ def test_fixed_cases_fail_on_the_pristine_tree():
         "test_hicache_split.py::test_swa_split_equals_native[kvcached-per-layer]",
         "test_refusals.py::test_mha_page_head",
         "test_refusals.py::test_mla_decode_context_parallel",
+        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MHA-kvcached-contiguous]",
+        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MLA-kvcached-contiguous]",
+        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-contiguous]",
+        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-per-layer]",
+        "test_controller.py::test_hybrid_direct_io_through_the_controller",
+        "test_controller.py::test_page_head_is_refused_when_the_stack_is_built[MHA]",
     ]
     missing = [case for case in expected if f"tests/cpu/{case}" not in failed]
     assert not missing, f"expected to fail on the pristine tree but did not: {missing}\n{proc.stdout[-3000:]}"
     # Native pools (dense views) are served the same with or without the series.
     assert "tests/cpu/test_kv_roundtrip.py::test_mha[native-layer_first-kernel-16-bf16]" not in failed
+    assert "tests/cpu/test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-native]" not in failed

@@ -1,23 +1,46 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (see docs/gpu-results.md): the GPU tier on pristine
-# SGLang 0.5.20 (expected to fail), then on the patched tree, then the benchmark.
-# Usage there: source .device/setup.sh; bash tests/gpu/device_session.sh $OUT
+# One call on a lent GPU machine without network (see docs/gpu-results.md and
+# ../shared/device/README.md): keep a pristine copy of SGLang for the benchmark's native
+# variant, apply the series to the installed tree, then run the steps named in $STEPS:
+#   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
+#   probe      bench/probe_load_depth.py (what bounds per-layer loads)
+#   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)
+#   bench      bench/transfer_bench.py, native = the pristine copy
+# Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
+site=${SGLANG_SITE:-/tmp/site}
+pristine=${PRISTINE_SITE:-/tmp/pristine}
+steps=${STEPS:-tier bench}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
 python3 -c "import torch, kvcached, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda); print('kvcached', kvcached.__version__); print('sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
-if [ "${SKIP_UNPATCHED:-0}" != 1 ]; then
-  GPU_TRIPS=${UNPATCHED_TRIPS:-10} GPU_RESULTS=$out/unpatched.jsonl bash tests/gpu/run_tier.sh --tb=line -rf \
-    > "$out/unpatched.log" 2>&1
+if [ ! -d "$pristine/sglang" ]; then
+  mkdir -p "$pristine" && cp -a "$site/sglang" "$pristine/"
+  python3 scripts/status "$pristine" > /dev/null || python3 scripts/reverse "$pristine" > /dev/null 2>&1 || true
+fi
+python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2>&1
+has() { [[ " $steps " == *" $1 "* ]]; }
+if has unpatched; then
+  PYTHONPATH=$pristine:$PYTHONPATH GPU_TRIPS=${UNPATCHED_TRIPS:-10} GPU_RESULTS=$out/unpatched.jsonl \
+    bash tests/gpu/run_tier.sh --tb=line -rf > "$out/unpatched.log" 2>&1
   echo "unpatched tier exit: $?" >> "$out/unpatched.log"
 fi
-python3 scripts/apply /tmp/site > "$out/apply.log" 2>&1 || { cat "$out/apply.log"; exit 1; }
-GPU_RESULTS=$out/patched.jsonl bash tests/gpu/run_tier.sh --tb=short -rA > "$out/patched.log" 2>&1
-echo "patched tier exit: $?" >> "$out/patched.log"
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 bench/transfer_bench.py --out "$out/bench.json" ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
+python3 scripts/apply "$site" > "$out/apply.log" 2>&1 || { cat "$out/apply.log"; exit 1; }
+if has probe; then
+  python3 bench/probe_load_depth.py --out "$out/probe.json" > "$out/probe.log" 2>&1
+  echo "probe exit: $?" >> "$out/probe.log"
+fi
+if has tier; then
+  GPU_RESULTS=$out/patched.jsonl bash tests/gpu/run_tier.sh --tb=short -rA > "$out/patched.log" 2>&1
+  echo "patched tier exit: $?" >> "$out/patched.log"
+fi
+if has bench; then
+  python3 bench/transfer_bench.py --native-sglang "$pristine" --out "$out/bench.json" ${BENCH_ARGS:-} \
+    > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi
-tail -n 5 "$out/unpatched.log" 2>/dev/null; tail -n 25 "$out/patched.log"; tail -n 70 "$out/bench.log" 2>/dev/null
+for f in unpatched probe patched bench; do
+  [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|^\|" "$out/$f.log" | tail -n 60; }
+done

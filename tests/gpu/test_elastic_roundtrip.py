@@ -17,9 +17,9 @@ from sglang.srt.mem_cache import memory_pool as mp
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from tests.gpu.conftest import LAYOUT, record
+from tests.gpu.conftest import kvcached_builds_no_per_layer_mla, record
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
-from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
+from tests.support.roundtrip import RoundTrip, fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
 PAGE = 64
 DEVICE_PAGES = 64  # device pool of 4096 tokens; trips use 48 allocated pages
@@ -59,8 +59,7 @@ def test_mha_qwen25_7b(layout, trips):
     used_pages = pool.kvcached_allocator.alloc(48)
     generator = torch.Generator().manual_seed(0)
     host = MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
-    families = [Rows("K", pool.k_buffer, lambda l: host.k_data_refs[l]),
-                Rows("V", pool.v_buffer, lambda l: host.v_data_refs[l])]
+    families = mha_families(pool, host)
     fill_random(families, pages_to_rows(used_pages, PAGE), generator)
     poison(host.kv_buffer, generator)
     try:
@@ -69,6 +68,7 @@ def test_mha_qwen25_7b(layout, trips):
         host.destroy()
 
 
+@kvcached_builds_no_per_layer_mla
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mla_deepseek_v2_lite(layout, trips):
     s = DEEPSEEK_V2_LITE
@@ -78,23 +78,13 @@ def test_mla_deepseek_v2_lite(layout, trips):
     used_pages = pool.kvcached_allocator.alloc(48)
     generator = torch.Generator().manual_seed(0)
     host = MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
-    families = [Rows("KV", pool.kv_buffer, lambda l: host.data_refs[l])]
+    families = mla_families(pool, host)
     fill_random(families, pages_to_rows(used_pages, PAGE), generator)
     poison(host.kv_buffer, generator)
     try:
         run_kv_roundtrip("MLA DeepSeek-V2-Lite", pool, host, families, used_pages, trips, layout)
     finally:
         host.destroy()
-
-
-def mamba_families(pool, host):
-    layers = pool.num_mamba_layers
-    states = [pool.mamba_cache.at_layer_idx(l) for l in range(layers)]
-    families = [Rows("temporal", [s.temporal for s in states], lambda l: host.temporal_buffer[:, l, 0])]
-    for i in range(len(states[0].conv)):
-        families.append(Rows(f"conv{i}", [s.conv[i] for s in states],
-                             lambda l, i=i: host.conv_buffer[i][:, l, 0]))
-    return families
 
 
 @pytest.mark.parametrize("model", [QWEN35_4B, QWEN3_NEXT_80B], ids=lambda m: m.name)

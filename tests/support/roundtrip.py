@@ -33,6 +33,32 @@ class Rows:
     host: Callable[[int], torch.Tensor]
 
 
+def host_layer_rows(host, layer_refs, buffer_index=None):
+    """Layer l's host rows, indexed by host token, whatever the host pool's layout."""
+    if host.layout == "page_first_direct":  # (pages, layers, page, ...): a copy
+        buffer = host.kv_buffer if buffer_index is None else host.kv_buffer[buffer_index]
+        return lambda l: buffer[:, l].reshape(-1, *buffer.shape[3:])
+    return lambda l: layer_refs[l]
+
+
+def mha_families(pool, host):
+    return [Rows("K", pool.k_buffer, host_layer_rows(host, host.k_data_refs, 0)),
+            Rows("V", pool.v_buffer, host_layer_rows(host, host.v_data_refs, 1))]
+
+
+def mla_families(pool, host):
+    return [Rows("KV", pool.kv_buffer, host_layer_rows(host, host.data_refs))]
+
+
+def mamba_families(pool, host):
+    """Per state (temporal, each conv), every layer's device view and its host image."""
+    states = [pool.mamba_cache.at_layer_idx(l) for l in range(pool.num_mamba_layers)]
+    families = [Rows("temporal", [s.temporal for s in states], lambda l: host.temporal_buffer[:, l, 0])]
+    for i in range(len(states[0].conv)):
+        families.append(Rows(f"conv{i}", [s.conv[i] for s in states], lambda l, i=i: host.conv_buffer[i][:, l, 0]))
+    return families
+
+
 def pages_to_rows(pages, page_size: int) -> torch.Tensor:
     base = torch.as_tensor(list(pages), dtype=torch.int64)[:, None] * page_size
     return (base + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)

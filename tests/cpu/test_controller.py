@@ -1,0 +1,145 @@
+"""SGLang's defaults, end to end below the server: ServerArgs -> assembler -> controller.
+
+A ServerArgs parsed from `--enable-hierarchical-cache` (plus the flags a case names) is
+published as the scheduler publishes it; SGLang's own stack builders then build the host
+pools and the HybridCacheController over kvcached-shaped device pools; trips go through
+the controller's write / load / start_loading, as the radix cache drives them. Kernels
+are the exact emulators, streams synchronous (tests/support/controller.py).
+
+With no extra flag this is SGLang's default HiCache: host layout page_first, io backend
+kernel, write policy write_through. On SGLang 0.5.20 without the series the default
+configuration fails here for every kvcached case (MHA: AttributeError on the first
+backup; MLA and Mamba: wrong bytes).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.support import controller as ctl
+from tests.support.kvcached_views import mamba_pool, mha_pool, mla_pool
+from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
+from tests.support.roundtrip import fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
+
+PAGE = 16
+DEVICE_PAGES = 24       # 8 hold the originals, 16 are load targets
+DATA_PAGES = 8
+TRIPS = 12
+KVCACHED = ("kvcached-contiguous", "kvcached-per-layer")
+
+# Qwen3.5-4B's layer pattern and attention shape, fewer layers and a smaller GDN state
+# so that the emulated copies stay fast (the GPU tier runs the real shapes).
+HYBRID_LAYERS = 8
+HYBRID_FULL = [l for l in range(HYBRID_LAYERS) if l % QWEN35_4B.full_attention_interval == 3]
+HYBRID_LINEAR = [l for l in range(HYBRID_LAYERS) if l not in HYBRID_FULL]
+GDN_CONV, GDN_SSM = [(96, 3)], (2, 16, 16)
+
+
+@pytest.fixture
+def controller_env(host_modules, monkeypatch):
+    """Synchronous streams, no page pinning (no CUDA here); the published config is
+    reset afterwards."""
+    from sglang.srt.managers import cache_controller
+    from sglang.srt.mem_cache import l2_transfer
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.runtime_context import reset_context
+
+    for module in (cache_controller, l2_transfer):
+        monkeypatch.setattr(module, "device_module", ctl.SyncDeviceModule)
+    monkeypatch.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
+    yield host_modules
+    reset_context()
+
+
+def kv_device_pool(kind, layout):
+    size = DEVICE_PAGES * PAGE
+    if kind == "MLA":
+        s = DEEPSEEK_V2_LITE
+        pool = mla_pool(layout, size=size, page_size=PAGE, layers=s.layers, kv_lora_rank=s.kv_lora_rank,
+                        qk_rope_head_dim=s.qk_rope_head_dim)
+    else:
+        s, layers = (QWEN25_7B, QWEN25_7B.layers) if kind == "MHA" else (QWEN35_4B, len(HYBRID_FULL))
+        pool = mha_pool(layout, size=size, page_size=PAGE, layers=layers, heads=s.kv_heads, head_dim=s.head_dim)
+    pool.register_layer_transfer_counter = lambda counter: None
+    return pool
+
+
+def run(kind, layout, flags=(), *, trips=TRIPS):
+    """Build the stack from published flags and run trips; returns (group, controller)."""
+    ctl.publish_server_args(*flags)
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    kv = kv_device_pool(kind, layout)
+    pages = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
+    allocator = ctl.PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng)
+    mamba, slots = None, None
+    if kind == "hybrid":
+        mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV,
+                           temporal_shape=GDN_SSM, page_bytes=64 << 10)
+        slots = list(range(1, 11))  # slot 0 is kvcached's null slot
+    params = ctl.cache_init_params(kv, allocator, mamba and ctl.SlotAllocator(slots[4:], "cpu", rng))
+    group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA",
+                                        full_layers=HYBRID_FULL if kind == "hybrid" else range(kv.layer_num),
+                                        mamba_pool=mamba, linear_layers=HYBRID_LINEAR)
+    host = group.anchor_entry.host_pool
+    kv_families = (mla_families if kind == "MLA" else mha_families)(kv, host)
+    fill_random(kv_families, pages_to_rows(pages, PAGE), generator)
+    poison(host.kv_buffer, generator)
+    state_families = []
+    if mamba is not None:
+        mamba_host = group.get_entry(ctl_pool_name("mamba")).host_pool
+        state_families = mamba_families(mamba, mamba_host)
+        fill_random(state_families, torch.tensor(slots), generator)
+        for buffer in (mamba_host.temporal_buffer, *mamba_host.conv_buffer):
+            poison(buffer, generator)
+    trip = ctl.ControllerRoundTrip(
+        controller, group, kv_families, state_families, page_size=PAGE,
+        data_pages=pages[:DATA_PAGES], scratch_pages=pages[DATA_PAGES:],
+        data_slots=slots[:4] if slots else (), scratch_slots=slots[4:] if slots else (), device="cpu")
+    trip.run(trips)
+    return group, controller
+
+
+def ctl_pool_name(name):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return PoolName(name)
+
+
+@pytest.mark.parametrize("layout", ["native", *KVCACHED])
+@pytest.mark.parametrize("kind", ["MHA", "MLA", "hybrid"])
+def test_defaults_back_up_and_load_through_the_controller(controller_env, kind, layout):
+    group, controller = run(kind, layout)
+    # What --enable-hierarchical-cache alone gives, unchanged by the series.
+    assert group.anchor_entry.host_pool.layout == "page_first"
+    assert controller.io_backend == "kernel"
+    assert controller.write_policy == "write_through"
+    if kind == "hybrid":
+        assert group.get_entry(ctl_pool_name("mamba")).host_pool.layout == "page_first"
+        assert controller.layer_num == HYBRID_LAYERS
+
+
+@pytest.mark.parametrize("layout", KVCACHED)
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+@pytest.mark.parametrize("flags", [
+    ("--hicache-mem-layout", "layer_first"),
+    ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"),
+], ids=["layer_first", "page_first_direct+direct"])
+def test_other_supported_flags_through_the_controller(controller_env, kind, layout, flags):
+    group, controller = run(kind, layout, flags)
+    assert group.anchor_entry.host_pool.layout == flags[1]
+
+
+def test_hybrid_direct_io_through_the_controller(controller_env):
+    group, controller = run("hybrid", "kvcached-contiguous",
+                            ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"))
+    assert controller.io_backend == "direct"
+
+
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+def test_page_head_is_refused_when_the_stack_is_built(controller_env, kind):
+    """The refusal reaches the operator from SGLang's own builder, before any request."""
+    with pytest.raises(ValueError, match="page_head"):
+        run(kind, "kvcached-contiguous", ("--hicache-mem-layout", "page_head"), trips=0)

@@ -1,0 +1,250 @@
+"""Backup and load through SGLang's HybridCacheController, as the radix cache drives it.
+
+The host pools and the controller are built by SGLang's own assembler functions
+(build_kv_only_stack, build_hybrid_mamba_stack) from a ServerArgs parsed from command-line
+flags and published the way the scheduler publishes it, so the host layout, io backend
+and --hicache-size split are SGLang's defaults unless a test passes flags. A trip is what
+the radix cache does on a backup and on a later prefix hit:
+
+  write(device tokens, extra_pools=[Mamba slot])  -> host indices (controller-allocated)
+  load(host indices, extra_pools=[Mamba host slot]) + start_loading()
+                                                   -> new device tokens / slot, layer by layer
+
+and the checks are on content, as in roundtrip.py: host rows equal the device rows
+backed up, rows loaded back equal the originals, and no other device or host byte
+changed. Used by the CPU tier (kernels emulated, streams synchronous) and the GPU tier
+(real kvcached pools, real JIT kernels, real streams).
+"""
+from __future__ import annotations
+
+import random
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from tests.support.roundtrip import as_bytes, pages_to_rows
+
+
+def publish_server_args(*flags: str):
+    """Parse `sglang serve` flags into a ServerArgs and publish it like the scheduler."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache", *flags])
+    publish(server_args, role="scheduler")
+    return server_args
+
+
+class PageAllocator:
+    """The token allocator the controller loads into: whole pages from a free list."""
+
+    def __init__(self, kv_pool, pages, page_size, device, rng):
+        self.kv_pool, self.page_size, self.device, self.rng = kv_pool, page_size, device, rng
+        self.free_pages = list(pages)
+
+    def get_kvcache(self):
+        return self.kv_pool
+
+    def alloc(self, num_tokens):
+        assert num_tokens % self.page_size == 0
+        pages = self.rng.sample(self.free_pages, num_tokens // self.page_size)
+        for page in pages:
+            self.free_pages.remove(page)
+        return pages_to_rows(pages, self.page_size).to(self.device)
+
+    def free(self, tokens):
+        self.free_pages += sorted({t // self.page_size for t in tokens.tolist()})
+
+
+class SlotAllocator:
+    """The Mamba slot allocator (HybridReqToTokenPool.mamba_allocator)."""
+
+    def __init__(self, slots, device, rng):
+        self.free_slots, self.device, self.rng = list(slots), device, rng
+
+    def alloc(self, n):
+        slots = self.rng.sample(self.free_slots, n)
+        for slot in slots:
+            self.free_slots.remove(slot)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def free(self, slots):
+        self.free_slots += slots.tolist()
+
+
+def cache_init_params(kv_pool, page_allocator, slot_allocator=None):
+    """The fields of CacheInitParams that the stack builders read (single rank, no MTP)."""
+    return SimpleNamespace(
+        page_size=page_allocator.page_size,
+        token_to_kv_pool_allocator=page_allocator,
+        req_to_token_pool=SimpleNamespace(mamba_allocator=slot_allocator),
+        tp_cache_group=None, attn_cp_cache_group=None, attn_tp_cache_group=None, pp_cache_group=None,
+        mtp_draft_device_pools=(),
+    )
+
+
+def build_stack(params, kv_pool, *, use_mla, full_layers, mamba_pool=None, linear_layers=()):
+    """SGLang's own builders, as _PlainKvStrategy / _MambaStrategy call them."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as asm
+
+    full_mapping = {layer: i for i, layer in enumerate(full_layers)}
+    common = dict(params=params, kv_pool=kv_pool, full_layer_mapping=full_mapping,
+                  load_cache_event=threading.Event(), storage_backend=None, use_mla=use_mla)
+    if mamba_pool is None:
+        return asm.build_kv_only_stack(**common)
+    return asm.build_hybrid_mamba_stack(
+        **common, mamba_pool=mamba_pool, mamba_layer_mapping={layer: i for i, layer in enumerate(linear_layers)})
+
+
+def release_host_pools(group):
+    """Unregister the host pools' pinned buffers (cudaHostRegister): a later pool may
+    be given the same addresses, and registering them twice fails."""
+    for entry in group.entries:
+        destroy = getattr(entry.host_pool, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+class ControllerRoundTrip:
+    """Trips through a controller; expected device and host bytes are modelled per row.
+
+    kv_families / mamba_families: Rows per K, V (or KV) and per Mamba state, whose host
+    images index host rows. data_pages / data_slots hold the originals (never written);
+    the allocators hand out the other used pages and slots as load targets.
+    """
+
+    def __init__(self, controller, group, kv_families, mamba_families, *, page_size,
+                 data_pages, scratch_pages, data_slots=(), scratch_slots=(), device, seed=0,
+                 max_pages=3):
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.controller, self.group, self.device = controller, group, device
+        self.kv_families, self.mamba_families = kv_families, mamba_families
+        self.page_size, self.max_pages = page_size, max_pages
+        self.rng = random.Random(seed)
+        self.data_pages, self.data_slots = list(data_pages), list(data_slots)
+        self.mamba = PoolName.MAMBA
+        self.kv_rows = pages_to_rows([*data_pages, *scratch_pages], page_size)
+        self.slot_rows = torch.tensor([*data_slots, *scratch_slots], dtype=torch.int64)
+        self.kv_model = self._model(kv_families, self.kv_rows)
+        self.mamba_model = self._model(mamba_families, self.slot_rows)
+
+    @staticmethod
+    def _model(families, rows):
+        index = {row: i for i, row in enumerate(rows.tolist())}
+        device = [[as_bytes(v[rows.to(v.device)]).clone() for v in f.device] for f in families]
+        host = [[as_bytes(f.host(l)).clone() for l in range(len(f.device))] for f in families]
+        return SimpleNamespace(index=index, device=device, host=host, rows=rows)
+
+    def _wait(self, acks):
+        acks[-1].finish_event.synchronize()
+        acks.clear()
+
+    def _check_backup(self, families, model, host_rows, src_rows):
+        pos = torch.tensor([model.index[r] for r in src_rows.tolist()])
+        for family, expected, host_model in zip(families, model.device, model.host):
+            for layer in range(len(family.device)):
+                original = expected[layer][pos.to(expected[layer].device)].cpu()
+                assert torch.equal(as_bytes(family.host(layer)[host_rows.cpu()]), original), (
+                    f"{family.name} layer {layer}: host rows differ from the device rows backed up")
+                host_model[layer][host_rows.cpu()] = original
+
+    def _check_load(self, families, model, src_rows, dst_rows):
+        src = torch.tensor([model.index[r] for r in src_rows.tolist()])
+        dst = torch.tensor([model.index[r] for r in dst_rows.tolist()])
+        for family, expected in zip(families, model.device):
+            for layer, view in enumerate(family.device):
+                original = expected[layer][src.to(expected[layer].device)]
+                assert torch.equal(as_bytes(view[dst_rows.to(view.device)]), original), (
+                    f"{family.name} layer {layer}: rows loaded back differ from the originals")
+                expected[layer][dst.to(expected[layer].device)] = original
+
+    def trip(self):
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+        n = self.rng.randint(1, self.max_pages)
+        src = pages_to_rows(self.rng.sample(self.data_pages, n), self.page_size).to(self.device)
+        extra = None
+        if self.mamba_families:
+            slot = torch.tensor([self.rng.choice(self.data_slots)], dtype=torch.int64, device=self.device)
+            extra = [PoolTransfer(name=self.mamba, device_indices=slot)]
+        host = self.controller.write(src, extra_pools=extra)
+        assert host is not None, "host pool full"
+        self.controller.start_writing()
+        self._wait(self.controller.ack_write_queue)
+        self._check_backup(self.kv_families, self.kv_model, host, src)
+        load_extra = None
+        if extra:
+            host_slot = extra[0].host_indices
+            self._check_backup(self.mamba_families, self.mamba_model, host_slot, slot)
+            load_extra = [PoolTransfer(name=self.mamba, host_indices=host_slot)]
+        dst = self.controller.load(host, extra_pools=load_extra)
+        assert dst is not None, "device pool full"
+        self.controller.start_loading()
+        self._wait(self.controller.ack_load_queue)
+        self._check_load(self.kv_families, self.kv_model, src, dst)
+        self.group.free(host)
+        self.controller.mem_pool_device_allocator.free(dst)
+        if load_extra:
+            self._check_load(self.mamba_families, self.mamba_model, slot, load_extra[0].device_indices)
+            self.group.free(host_slot, pool=self.mamba)
+            self.group.get_entry(self.mamba).device_free_fn(load_extra[0].device_indices)
+
+    def check_untouched(self):
+        for families, model in ((self.kv_families, self.kv_model), (self.mamba_families, self.mamba_model)):
+            for family, expected, host_model in zip(families, model.device, model.host):
+                for layer, view in enumerate(family.device):
+                    assert torch.equal(as_bytes(view[model.rows.to(view.device)]), expected[layer]), (
+                        f"{family.name} layer {layer}: device rows no trip targeted changed")
+                    assert torch.equal(as_bytes(family.host(layer)), host_model[layer]), (
+                        f"{family.name} layer {layer}: host rows no trip targeted changed")
+
+    def run(self, trips):
+        for _ in range(trips):
+            self.trip()
+        self.check_untouched()
+
+
+class SyncDeviceModule:
+    """torch.cuda's Stream/Event surface, synchronous: for the CPU tier, where copies
+    run eagerly on the calling thread and there is nothing to wait for."""
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.0
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def synchronize(self):
+            pass
+
+    @staticmethod
+    def stream(stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @classmethod
+    def current_stream(cls):
+        return cls.Stream()

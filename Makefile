@@ -62,8 +62,14 @@ test: patched
 test-gpu:
 	tests/gpu/run_tier.sh
 
+# On a CUDA machine with kvcached 0.1.6 and the patched SGLang importable. The native
+# variant imports SGLang 0.5.20 as released from NATIVE_SGLANG (a folder holding an
+# unpatched sglang/ package; by default the pristine tree built here).
+NATIVE_SGLANG ?= $(PRISTINE)/python
 bench:
-	$(PYTHON) bench/transfer_bench.py --out bench/results.json
+	$(PYTHON) bench/transfer_bench.py --native-sglang $(NATIVE_SGLANG) --out bench/results.json
+	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) bench/plot.py bench/results.json bench/results.png \
+	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
 
 SGLANG_IMAGE ?= lmsysorg/sglang:v0.5.20-cu130
 SGLANG_IMAGE_DIGEST ?= sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f

@@ -1,0 +1,66 @@
+"""Draw bench/transfer_bench.py's JSON: throughput against batch size, a line per variant.
+
+    python bench/plot.py bench/results-h200.json bench/results-h200.png
+
+One panel per (pool, direction, host layout); the pinned-copy bandwidth of the same run
+is the dashed line every panel is bounded by. Needs matplotlib (requirements/bench.txt).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+VARIANTS = {
+    "native": ("SGLang 0.5.20, dense pool", "black"),
+    "patched-dense": ("patched, dense pool", "tab:blue"),
+    "kvcached-contiguous": ("patched, kvcached contiguous", "tab:orange"),
+    "kvcached-per-layer": ("patched, kvcached per-layer", "tab:green"),
+}
+
+
+def panels(rows):
+    return sorted({(r["pool"], r["direction"], r["host_layout"]) for r in rows if r["pool"] != "link"})
+
+
+def main(src, dst):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.load(open(src))
+    rows = [r for r in data["rows"] if "GBps" in r]
+    link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
+    keys = panels(rows)
+    cols = 4
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.3 * ((len(keys) + 3) // 4)),
+                             squeeze=False)
+    for ax, (pool, direction, layout) in zip(axes.flat, keys):
+        for mode, (label, color) in VARIANTS.items():
+            points = sorted((r["batch"], r["GBps"]) for r in rows
+                            if (r["mode"], r["pool"], r["direction"], r["host_layout"]) == (mode, pool, direction, layout))
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=label, color=color)
+        if direction in link:
+            ax.axhline(link[direction], ls="--", color="grey", lw=1, label="pinned copy")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, max(link.values(), default=60) * 1.08)
+        ax.set_title(f"{pool} {direction}, host {layout}", fontsize=9)
+        ax.set_xlabel("slots" if pool == "Mamba" else "tokens", fontsize=8)
+        ax.set_ylabel("GB/s", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    meta = data.get("meta", {})
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.suptitle(f"HiCache transfers, {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
+                 f"{meta.get('date', '')}, median of {meta.get('reps', '?')}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.savefig(dst, dpi=110)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2])

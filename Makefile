@@ -75,7 +75,8 @@ SGLANG_IMAGE ?= lmsysorg/sglang:v0.5.20-cu130
 SGLANG_IMAGE_DIGEST ?= sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f
 image:
 	docker build --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
-	  --build-arg REVISION=$$(git rev-parse HEAD) -t sglang-elastic-hicache:0.5.20 .
+	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
+	  -t sglang-elastic-hicache:0.5.20 .
 
 wheel: sglang
 	scripts/build-wheel $$(ls build/cache/sglang-0.5.20-*.whl | head -n1) dist

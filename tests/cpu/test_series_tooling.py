@@ -67,7 +67,7 @@ def test_wrong_version_is_refused(target):
 def test_partly_applied_series_names_the_first_patch_that_does_not_apply(target, tmp_path):
     first = ROOT / "patches" / series()[0]
     strip = "-p1" if (target / "python").exists() else "-p2"
-    subprocess.run(["patch", strip, "-s", "-i", str(first)], cwd=target, check=True)
+    subprocess.run(["git", "apply", strip, str(first)], cwd=target, check=True)
     before = digest(target)
     proc = run("apply", target)
     assert proc.returncode != 0

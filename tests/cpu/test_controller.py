@@ -143,3 +143,32 @@ def test_page_head_is_refused_when_the_stack_is_built(controller_env, kind):
     """The refusal reaches the operator from SGLang's own builder, before any request."""
     with pytest.raises(ValueError, match="page_head"):
         run(kind, "kvcached-contiguous", ("--hicache-mem-layout", "page_head"), trips=0)
+
+
+def hybrid_host_sizes(layout, flags):
+    """(KV host tokens, Mamba host slots) as SGLang's builder sizes them for this layout."""
+    ctl.publish_server_args(*flags)
+    rng = random.Random(0)
+    kv = kv_device_pool("hybrid", layout)
+    mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV, temporal_shape=GDN_SSM,
+                       page_bytes=64 << 10)
+    params = ctl.cache_init_params(kv, ctl.PageAllocator(kv, range(1, DEVICE_PAGES + 1), PAGE, "cpu", rng),
+                                   ctl.SlotAllocator(range(1, 11), "cpu", rng))
+    group, _ = ctl.build_stack(params, kv, use_mla=False, full_layers=HYBRID_FULL, mamba_pool=mamba,
+                               linear_layers=HYBRID_LINEAR)
+    try:
+        return group.anchor_entry.host_pool.size, group.get_entry(ctl_pool_name("mamba")).host_pool.size
+    finally:
+        ctl.release_host_pools(group)
+
+
+@pytest.mark.parametrize("flags", [("--hicache-size", "1"), ()], ids=["hicache-size", "hicache-ratio"])
+@pytest.mark.parametrize("layout", KVCACHED)
+def test_host_pools_are_sized_as_natively_through_the_builder(controller_env, layout, flags):
+    """--hicache-size (split between the pools) and --hicache-ratio give an elastic
+    hybrid model exactly the host pools the same model gets on native pools."""
+    native = hybrid_host_sizes("native", flags)
+    assert hybrid_host_sizes(layout, flags) == native
+    if flags:  # the 1 GB budget is shared by logical capacity, not starved
+        kv_tokens, mamba_slots = native
+        assert mamba_slots > 1000 and kv_tokens > 100_000

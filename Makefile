@@ -9,7 +9,7 @@ SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
 
 .PHONY: all patched sglang venv apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu bench image wheel ci clean
+        import-patches export-patches test test-gpu bench e2e image wheel ci clean
 
 all: patched
 
@@ -70,6 +70,13 @@ bench:
 	$(PYTHON) bench/transfer_bench.py --native-sglang $(NATIVE_SGLANG) --out bench/results.json
 	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) bench/plot.py bench/results.json bench/results.png \
 	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
+
+# Model-level comparison, native vs the patched image (GPU runner with Docker and models).
+E2E_CASE ?= qwen2.5-0.5b
+E2E_LAYOUT ?= default
+e2e:
+	$(PYTHON) ci/e2e/compare_servers.py --case $(E2E_CASE) --layout $(E2E_LAYOUT) \
+	  --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) --out build/e2e-$(E2E_CASE)-$(E2E_LAYOUT).json
 
 SGLANG_IMAGE ?= lmsysorg/sglang:v0.5.20-cu130
 SGLANG_IMAGE_DIGEST ?= sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f

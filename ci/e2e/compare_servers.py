@@ -231,6 +231,7 @@ def main() -> int:
     args = ap.parse_args()
 
     case, plan = CASES[args.case], Plan()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     prompts, filler = prompt_sets(plan, case.vocab_size)
     mounts = (str(Path(case.model)),) if case.dummy else ()
     results = {}

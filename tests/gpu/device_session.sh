@@ -3,7 +3,6 @@
 # ../shared/device/README.md): keep a pristine copy of SGLang for the benchmark's native
 # variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
-#   probe      bench/probe_load_depth.py (what bounds per-layer loads)
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)
 #   bench      bench/transfer_bench.py, native = the pristine copy
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
@@ -28,10 +27,6 @@ if has unpatched; then
   echo "unpatched tier exit: $?" >> "$out/unpatched.log"
 fi
 python3 scripts/apply "$site" > "$out/apply.log" 2>&1 || { cat "$out/apply.log"; exit 1; }
-if has probe; then
-  python3 bench/probe_load_depth.py --out "$out/probe.json" > "$out/probe.log" 2>&1
-  echo "probe exit: $?" >> "$out/probe.log"
-fi
 if has tier; then
   GPU_RESULTS=$out/patched.jsonl bash tests/gpu/run_tier.sh --tb=short -rA > "$out/patched.log" 2>&1
   echo "patched tier exit: $?" >> "$out/patched.log"
@@ -41,6 +36,6 @@ if has bench; then
     > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi
-for f in unpatched probe patched bench; do
+for f in unpatched patched bench; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|^\|" "$out/$f.log" | tail -n 60; }
 done

@@ -29,6 +29,7 @@ WORKDIR /opt/elastic-hicache
 COPY patches/ patches/
 COPY scripts/ scripts/
 COPY tests/ tests/
+COPY ci/ ci/
 
 # kvcached ships as an sdist whose C++/CUDA extension must link against the image's own
 # torch: no build isolation.

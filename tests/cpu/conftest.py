@@ -6,6 +6,14 @@ import pytest
 from tests.support import emulators
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "project_files: checks this project's own files (Dockerfile, CI workflows, e2e script), "
+        "not the SGLang tree; deselected by scripts/install-into-python, which runs the tier "
+        "inside the image where only patches/, scripts/ and tests/ are copied")
+
+
 @pytest.fixture
 def host_modules(monkeypatch):
     from sglang.srt.mem_cache.pool_host import mamba, mha, mla

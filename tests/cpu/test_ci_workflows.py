@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.project_files
 WORKFLOWS = ROOT / "ci" / "workflows"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.project_files
 spec = importlib.util.spec_from_file_location("compare_servers", ROOT / "ci" / "e2e" / "compare_servers.py")
 e2e = importlib.util.module_from_spec(spec)
 sys.modules["compare_servers"] = e2e

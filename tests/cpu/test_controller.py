@@ -4,7 +4,7 @@ A ServerArgs parsed from `--enable-hierarchical-cache` (plus the flags a case na
 published as the scheduler publishes it; SGLang's own stack builders then build the host
 pools and the HybridCacheController over kvcached-shaped device pools; trips go through
 the controller's write / load / start_loading, as the radix cache drives them. Kernels
-are the exact emulators, streams synchronous (tests/support/controller.py).
+are the exact emulators, streams torch.cpu's (tests/support/controller.py).
 
 With no extra flag this is SGLang's default HiCache: host layout page_first, io backend
 kernel, write policy write_through. On SGLang 0.5.20 without the series the default
@@ -39,15 +39,15 @@ GDN_CONV, GDN_SSM = [(96, 3)], (2, 16, 16)
 
 @pytest.fixture
 def controller_env(host_modules, monkeypatch):
-    """Synchronous streams, no page pinning (no CUDA here); the published config is
-    reset afterwards."""
+    """torch.cpu's streams and events (copies run eagerly), no page pinning (no CUDA
+    here); the published config is reset afterwards."""
     from sglang.srt.managers import cache_controller
     from sglang.srt.mem_cache import l2_transfer
     from sglang.srt.mem_cache.pool_host import common
     from sglang.srt.runtime_context import reset_context
 
     for module in (cache_controller, l2_transfer):
-        monkeypatch.setattr(module, "device_module", ctl.SyncDeviceModule)
+        monkeypatch.setattr(module, "device_module", torch.cpu)
     monkeypatch.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
     yield host_modules
     reset_context()

@@ -12,8 +12,8 @@ the radix cache does on a backup and on a later prefix hit:
 
 and the checks are on content, as in roundtrip.py: host rows equal the device rows
 backed up, rows loaded back equal the originals, and no other device or host byte
-changed. Used by the CPU tier (kernels emulated, streams synchronous) and the GPU tier
-(real kvcached pools, real JIT kernels, real streams).
+changed. Used by the CPU tier (kernels emulated, torch.cpu's streams and events) and the
+GPU tier (real kvcached pools, real JIT kernels, real streams).
 """
 from __future__ import annotations
 
@@ -204,47 +204,3 @@ class ControllerRoundTrip:
         for _ in range(trips):
             self.trip()
         self.check_untouched()
-
-
-class SyncDeviceModule:
-    """torch.cuda's Stream/Event surface, synchronous: for the CPU tier, where copies
-    run eagerly on the calling thread and there is nothing to wait for."""
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self, stream=None):
-            pass
-
-        def wait(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 0.0
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-        def wait_event(self, event):
-            pass
-
-        def synchronize(self):
-            pass
-
-    @staticmethod
-    def stream(stream):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    @classmethod
-    def current_stream(cls):
-        return cls.Stream()

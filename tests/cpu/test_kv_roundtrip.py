@@ -22,6 +22,16 @@ HOST_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 
 
+def every_case(test):
+    """Each kvcached layout x host layout and io backend x page size x KV dtype."""
+    for mark in (pytest.mark.parametrize("device_layout", LAYOUTS),
+                 pytest.mark.parametrize("host_layout,io_backend", HOST_CASES),
+                 pytest.mark.parametrize("page_size", [1, 16, 64]),
+                 pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])):
+        test = mark(test)
+    return test
+
+
 def run(kind, pool, host, families, page_size, io_backend):
     generator = torch.Generator().manual_seed(3)
     used_pages = list(range(1, DEVICE_PAGES))
@@ -36,10 +46,7 @@ def run(kind, pool, host, families, page_size, io_backend):
     rt.run(TRIPS)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("host_layout,io_backend", HOST_CASES)
-@pytest.mark.parametrize("device_layout", LAYOUTS)
+@every_case
 def test_mha(host_modules, device_layout, host_layout, io_backend, page_size, dtype):
     pool = mha_pool(device_layout, size=DEVICE_PAGES * page_size, page_size=page_size, layers=LAYERS,
                     heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
@@ -48,10 +55,7 @@ def test_mha(host_modules, device_layout, host_layout, io_backend, page_size, dt
     run("MHA", pool, host, mha_families(pool, host), page_size, io_backend)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("host_layout,io_backend", HOST_CASES)
-@pytest.mark.parametrize("device_layout", LAYOUTS)
+@every_case
 def test_mla(host_modules, device_layout, host_layout, io_backend, page_size, dtype):
     pool = mla_pool(device_layout, size=DEVICE_PAGES * page_size, page_size=page_size, layers=LAYERS,
                     kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, dtype=dtype)

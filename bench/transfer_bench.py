@@ -73,12 +73,12 @@ def timed_row(nbytes, times, **fields):
 def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_load) -> bool:
     """Back up device rows `src`, load them into `dst`: dst must then hold src's bytes."""
     import torch
+    from tests.support.roundtrip import as_bytes
     before = [v[src].clone() for v in views]
     host.backup_from_device_all_layer(pool, host_backup, src, "kernel")
     for layer in range(layers):
         host.load_to_device_per_layer(pool, host_load, dst, layer, "kernel")
     torch.cuda.synchronize()
-    as_bytes = lambda t: t.contiguous().view(torch.uint8)
     return all(torch.equal(as_bytes(v[dst]), as_bytes(b)) for v, b in zip(views, before))
 
 

@@ -16,17 +16,14 @@ import time
 import pytest
 import torch
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
-from sglang.srt.mem_cache import memory_pool as mp
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.runtime_context import reset_context
 from tests.gpu.conftest import kvcached_builds_no_per_layer_mla, record
+from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool
 from tests.support import controller as ctl
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
-PAGE = 64
-DEVICE_PAGES = 64
 LAYOUT_FLAGS = {"page_first": (), "layer_first": ("--hicache-mem-layout", "layer_first")}
 
 
@@ -36,24 +33,10 @@ def controller_trips(trips):
     reset_context()
 
 
-def elastic(pool):
-    assert type(pool).__name__.startswith("Elastic"), f"not a kvcached pool: {type(pool).__name__}"
-    pool.kvcached_allocator._wait_post_init()
-    return pool
-
-
 def kv_pool(kind, layers=None):
-    bf = torch.bfloat16
-    size = DEVICE_PAGES * PAGE
     if kind == "MLA":
-        s = DEEPSEEK_V2_LITE
-        return elastic(mp.MLATokenToKVPool(size=size, page_size=PAGE, dtype=bf, kv_lora_rank=s.kv_lora_rank,
-                                           qk_rope_head_dim=s.qk_rope_head_dim, layer_num=s.layers,
-                                           device="cuda", enable_memory_saver=False))
-    s = QWEN25_7B if kind == "MHA" else QWEN35_4B
-    return elastic(mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads,
-                                       head_dim=s.head_dim, layer_num=layers or s.layers, device="cuda",
-                                       enable_memory_saver=False))
+        return mla_pool(DEEPSEEK_V2_LITE)
+    return mha_pool(QWEN25_7B if kind == "MHA" else QWEN35_4B, layers)
 
 
 def run(kind, host_layout, trips, mamba=None, full_layers=None, linear_layers=()):
@@ -111,13 +94,7 @@ def test_mla_deepseek_v2_lite_through_the_controller(host_layout, controller_tri
 
 def test_hybrid_mamba_qwen35_4b_through_the_controller(controller_trips):
     m = QWEN35_4B
-    shape = Mamba2StateShape.create(**m.state_shape_kwargs())
-    params = Mamba2CacheParams(shape=shape, layers=m.linear_layers,
-                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
-    mamba = mp.MambaPool(size=24, spec_state_size=24, cache_params=params,
-                         mamba_layer_ids=list(range(len(m.linear_layers))), device="cuda")
-    assert type(mamba).__name__.startswith("Elastic")
-    mamba.kvcached_allocator._wait_post_init()
+    mamba = gdn_pool(m)
     controller, seconds = run("hybrid", "page_first", controller_trips, mamba=mamba,
                               full_layers=m.full_attention_layers, linear_layers=m.linear_layers)
     assert controller.layer_num == m.layers

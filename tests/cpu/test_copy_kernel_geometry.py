@@ -4,11 +4,14 @@ A worker of 32 / unroll lanes carries one element (a token's row of one layer), 
 lane holds element_size * unroll / 32 bytes: the reads in flight per lane. Loads from
 pinned host memory are bound by that; the H200 benchmark (bench/RESULTS.md) shows
 SGLang's 36 bytes per lane for 1,152-byte MLA rows loading at 70% of the link, 72 at
-92%. The block quota, and so the GPU's share, must not change.
+92%. The block quota, and so the GPU's share, must not change. Nor may a small batch
+get fewer blocks than SGLang 0.5.20 launched for it: wider workers fill a block with
+fewer rows, and one 64-token page of MLA rows in one block instead of two took 20% longer.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 ROW_SIZES = range(128, 8192 + 1, 128)  # the JIT kernel takes rows that are multiples of 128 B
 
@@ -40,3 +43,84 @@ def test_mla_rows_get_unroll_2(hicache):
 
 def test_block_quota_unchanged(hicache):
     assert hicache.DEFAULT_BLOCK_QUOTA == 2  # CUDA: the copies take two SMs from the model, as in 0.5.20
+
+
+# hicache.cuh, run_one/run_all: kWorkersPerBlock = kBlockSize / (kWarpThreads / kUnroll),
+# num_blocks = min(div_ceil(length, kWorkersPerBlock), kBlockQuota); kBlockSize is 1024.
+def launched_blocks(num_elements, unroll, quota=2):
+    workers_per_block = 1024 // (32 // unroll)
+    return min(-(-num_elements // workers_per_block), quota)
+
+
+def sglang_0_5_20_unroll(element_size):
+    return 4 if element_size <= 512 else 2 if element_size <= 1024 else 1
+
+
+class LaunchRecorder:
+    """Stands in for the compiled JIT module: records the unroll each launch was built with."""
+
+    def __init__(self):
+        self.built, self.launched = [], []
+
+    def module(self, *, element_size, unroll, block_quota):
+        self.built.append(unroll)
+        launched = self.launched
+        return type("Module", (), {name: staticmethod(lambda *args, u=unroll: launched.append(u))
+                                   for name in ("launch_one", "launch_all", "launch_one_mla", "launch_all_mla")})
+
+
+@pytest.fixture
+def recorder(hicache, monkeypatch):
+    rec = LaunchRecorder()
+    monkeypatch.setattr(hicache, "_jit_hicache_module", rec.module)
+    return rec
+
+
+@pytest.mark.parametrize("element_size", ROW_SIZES)
+def test_a_batch_never_gets_fewer_blocks_than_in_sglang(hicache, element_size):
+    native, wide = sglang_0_5_20_unroll(element_size), hicache._default_unroll(element_size)
+    for num_elements in (1, 16, 32, 33, 48, 64, 65, 96, 128, 129, 256, 1024, 65536):
+        unroll = hicache._unroll_for_batch(element_size, num_elements, 2)
+        assert unroll in (native, wide), num_elements
+        assert launched_blocks(num_elements, unroll) >= launched_blocks(num_elements, native), num_elements
+        if launched_blocks(num_elements, wide) >= launched_blocks(num_elements, native):
+            assert unroll == wide, num_elements  # the wider lanes wherever they cost no block
+
+
+def one_layer_mla(hicache, n):
+    rows = torch.zeros(256, 1, 576, dtype=torch.bfloat16)
+    index = torch.arange(n) % 256
+    hicache.transfer_hicache_one_layer_mla(cache_dst=rows, indices_dst=index, cache_src=rows.clone(),
+                                           indices_src=index)
+
+
+def all_layer_mla(hicache, n):
+    index = torch.arange(n)
+    ptrs = torch.zeros(27, dtype=torch.uint64)
+    hicache.transfer_hicache_all_layer_mla(ptr_dst=ptrs, indices_dst=index, ptr_src=ptrs, indices_src=index,
+                                           cache_src_stride_bytes=1152 * 27, cache_dst_stride_bytes=1152,
+                                           element_size=1152)
+
+
+@pytest.mark.parametrize("transfer", [one_layer_mla, all_layer_mla])
+def test_mla_transfers_pick_the_unroll_by_batch(hicache, recorder, transfer):
+    transfer(hicache, 64)  # one page: two blocks of 32 workers, as in SGLang 0.5.20
+    transfer(hicache, 4096)  # 72 bytes per lane
+    assert recorder.launched == [1, 2]
+
+
+def test_mha_transfers_keep_sglangs_unroll_at_every_batch(hicache, recorder):
+    rows = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
+    for n in (64, 4096):
+        index = torch.arange(n) % 256
+        hicache.transfer_hicache_one_layer(rows, rows, index, rows.clone(), rows.clone(), index, element_dim=512)
+        ptrs = torch.zeros(28, dtype=torch.uint64)
+        hicache.transfer_hicache_all_layer(ptrs, ptrs, index, ptrs, ptrs, index,
+                                           kv_cache_src_stride_bytes=1024, kv_cache_dst_stride_bytes=1024)
+    assert recorder.launched == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("element_size,unrolls", [(1152, [1, 2]), (1024, [2]), (640, [2, 4]), (4096, [1])])
+def test_every_unroll_a_batch_may_pick_is_built_at_start_up(hicache, recorder, element_size, unrolls):
+    assert hicache.can_use_hicache_jit_kernel(element_size=element_size)
+    assert sorted(recorder.built) == unrolls

@@ -44,6 +44,8 @@ def test_fixed_cases_fail_on_the_pristine_tree():
         "test_controller.py::test_host_pools_are_sized_as_natively_through_the_builder[kvcached-contiguous-hicache-size]",
         "test_copy_kernel_geometry.py::test_mla_rows_get_unroll_2",
         "test_copy_kernel_geometry.py::test_every_lane_carries_at_least_64_bytes_where_it_can[1152]",
+        "test_copy_kernel_geometry.py::test_mla_transfers_pick_the_unroll_by_batch[one_layer_mla]",
+        "test_copy_kernel_geometry.py::test_every_unroll_a_batch_may_pick_is_built_at_start_up[1152-unrolls0]",
     ]
     missing = [case for case in expected if f"tests/cpu/{case}" not in failed]
     assert not missing, f"expected to fail on the pristine tree but did not: {missing}\n{proc.stdout[-3000:]}"

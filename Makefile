@@ -9,7 +9,7 @@ SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
 
 .PHONY: all patched sglang venv apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu bench e2e image wheel ci clean
+        import-patches export-patches test test-gpu bench profile e2e image wheel ci clean
 
 all: patched
 
@@ -70,6 +70,11 @@ bench:
 	$(PYTHON) bench/transfer_bench.py --native-sglang $(NATIVE_SGLANG) --out bench/results.json
 	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) bench/plot.py bench/results.json bench/results.png \
 	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
+
+# Where a transfer's time goes, host issue or GPU kernels, and the copy kernels at each
+# unroll (bench/profile_transfers.py); same machine as bench.
+profile:
+	$(PYTHON) bench/profile_transfers.py --native-sglang $(NATIVE_SGLANG) --out bench/profile.json
 
 # Model-level comparison, native vs the patched image (GPU runner with Docker and models).
 E2E_CASE ?= qwen2.5-0.5b

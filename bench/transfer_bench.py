@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,11 @@ MODES = {
     "patched-dense": {"ENABLE_KVCACHED": "false"},
     "kvcached-contiguous": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "true"},
     "kvcached-per-layer": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false"},
+    # Not in the default run: SGLang's pool with its buffers swapped for views of one
+    # torch allocation in kvcached's contiguous geometry (all layers, and K with V,
+    # interleaved per token). Separates the cost of the strided access pattern from that
+    # of kvcached's memory mapping (bench/profile_transfers.py).
+    "torch-interleaved": {"ENABLE_KVCACHED": "false"},
 }
 PAGE = 64
 TOKENS = [64, 256, 1024, 4096, 16384, 65536]
@@ -63,11 +69,45 @@ def cuda_times(fn, reps, warmup=3):
     return times
 
 
-def timed_row(nbytes, times, **fields):
-    """A result row: GB/s of the median repetition, and of the slowest and fastest."""
+def timed_row(nbytes, times, kernel_us=None, **fields):
+    """A result row: GB/s of the median repetition, and of the slowest and fastest;
+    kernel_us: the GPU kernels' own time (kernel_profile), where measured."""
     return dict(fields, batch_bytes=nbytes, seconds=statistics.median(times),
                 GBps=nbytes / statistics.median(times) / 1e9,
-                GBps_min=nbytes / max(times) / 1e9, GBps_max=nbytes / min(times) / 1e9)
+                GBps_min=nbytes / max(times) / 1e9, GBps_max=nbytes / min(times) / 1e9,
+                **({} if kernel_us is None else {"kernel_us": kernel_us}))
+
+
+def kernel_profile(fn, reps):
+    """Per run of fn: microseconds the GPU spent in its kernels and copies (summed) and
+    from the first start to the last end, the kernels' count and grid sizes (CUPTI)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    per_rep = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(i)
+            torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+            prof.export_chrome_trace(trace.name)
+            events = json.load(open(trace.name))["traceEvents"]
+        gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        kernels = [e for e in gpu if e["cat"] == "kernel"]
+        per_rep.append(dict(
+            kernel_us=sum(e["dur"] for e in gpu),
+            span_us=(max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) if gpu else 0.0,
+            kernels=len(kernels), copies=len(gpu) - len(kernels),
+            blocks=sorted({e.get("args", {}).get("grid", [0])[0] for e in kernels})))
+    return per_rep
+
+
+def timed_op(nbytes, fn, reps, **fields):
+    """timed_row for fn: CUDA-event times (after warm-up), then the median GPU time of
+    three profiled runs (what the copies take from the GPU, without the host's share)."""
+    times = cuda_times(fn, reps)
+    kernel_us = statistics.median(p["kernel_us"] for p in kernel_profile(fn, 3))
+    return timed_row(nbytes, times, kernel_us=kernel_us, **fields)
 
 
 def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_load) -> bool:
@@ -89,10 +129,10 @@ def series_applied(site: str) -> str:
     return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else proc.stderr.strip()[-200:]
 
 
-def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
+def import_sglang(mode: str):
+    """Import SGLang as `mode` needs it: kvcached autopatched or not, single-rank stubs."""
     os.environ.update(MODES[mode])
     os.environ.setdefault("KVCACHED_PAGE_SIZE_MB", "4")
-    import torch
     if mode.startswith("kvcached"):
         os.environ["KVCACHED_AUTOPATCH"] = "1"
         import kvcached.integration.sglang.autopatch  # noqa: F401
@@ -101,23 +141,25 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
     dist.get_tensor_model_parallel_rank = lambda: 0
     dist.get_tensor_model_parallel_world_size = lambda: 1
     dist.get_pipeline_model_parallel_rank = lambda: 0
+    return sglang
 
+
+def token_sets(gen, total_pages, n_tokens, count=4, skip=1):
+    """`count` sets of n_tokens tokens, each on random distinct pages from `skip` up."""
+    import torch
+    sets = []
+    for _ in range(count):
+        pages = torch.randperm(total_pages - skip, generator=gen)[: n_tokens // PAGE] + skip
+        sets.append((pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1))
+    return sets
+
+
+def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
+    import torch
+    sglang = import_sglang(mode)
     rows, gen = [], torch.Generator().manual_seed(0)
     rows.append(dict(mode=mode, pool="meta", sglang=os.path.dirname(sglang.__file__),
                      series_applied=series_applied(os.path.dirname(os.path.dirname(sglang.__file__)))))
-
-    def token_sets(total_pages, n_tokens, count=4, skip=1):
-        sets = []
-        for _ in range(count):
-            pages = torch.randperm(total_pages - skip, generator=gen)[: n_tokens // PAGE] + skip
-            sets.append((pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1))
-        return sets
-
-    def used_pages(pool, n_pages):
-        if hasattr(pool, "kvcached_allocator"):
-            pool.kvcached_allocator._wait_post_init()
-            return torch.tensor(sorted(pool.kvcached_allocator.alloc(n_pages)))
-        return torch.arange(1, n_pages + 1)
 
     if mode == "native" and "link" in parts:
         nbytes = 1 << 30
@@ -131,7 +173,7 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
 
     for part in [p for p in ("mha", "mla") if p in parts]:
         try:
-            rows += kv_part(part, mode, reps, gen, token_sets, used_pages)
+            rows += kv_part(part, mode, reps, gen)
         except Exception as exc:  # e.g. kvcached 0.1.6 cannot build per-layer MLA pools
             rows.append(dict(mode=mode, pool=part.upper(), error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
@@ -140,58 +182,121 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
     return rows
 
 
-def kv_part(part, mode, reps, gen, token_sets, used_pages):
-    import torch
-    from sglang.srt.mem_cache import memory_pool as mp
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-    from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
-    bf, rows, max_tokens = torch.bfloat16, [], max(TOKENS)
-    if True:
+class KVBench:
+    """A device KV pool of one model shape, filled with random rows, and what times it.
+
+    Sized for the largest batch; on kvcached pools the pages come from its allocator
+    (so they are mapped), on SGLang's own pools they are pages 1..n.
+    """
+
+    def __init__(self, part: str, gen, max_tokens: int = max(TOKENS), interleave: bool = False):
+        import torch
+        from sglang.srt.mem_cache import memory_pool as mp
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+        from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
+        bf = torch.bfloat16
+        self.gen, self.part = gen, part
         n_pages = max_tokens // PAGE + 8
         size = (n_pages + 64) * PAGE  # kvcached keeps a few blocks back
         if part == "mha":
             s = QWEN25_7B
-            pool = mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads, head_dim=s.head_dim,
-                                       layer_num=s.layers, device="cuda", enable_memory_saver=False)
-            views, row_bytes, layers = [*pool.k_buffer, *pool.v_buffer], s.kv_heads * s.head_dim * 2 * 2, s.layers
-            host_cls = MHATokenToKVPoolHost
+            self.pool = mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads,
+                                            head_dim=s.head_dim, layer_num=s.layers, device="cuda",
+                                            enable_memory_saver=False)
+            self.views = [*self.pool.k_buffer, *self.pool.v_buffer]
+            self.row_bytes, self.layers = s.kv_heads * s.head_dim * 2 * 2, s.layers
+            self.host_cls = MHATokenToKVPoolHost
         else:
             s = DEEPSEEK_V2_LITE
-            pool = mp.MLATokenToKVPool(size=size, page_size=PAGE, dtype=bf, kv_lora_rank=s.kv_lora_rank,
-                                       qk_rope_head_dim=s.qk_rope_head_dim, layer_num=s.layers, device="cuda",
-                                       enable_memory_saver=False)
-            views, row_bytes, layers = list(pool.kv_buffer), s.kv_dim * 2, s.layers
-            host_cls = MLATokenToKVPoolHost
-        pages = used_pages(pool, n_pages)
-        tokens = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).cuda()
-        for v in views:
+            self.pool = mp.MLATokenToKVPool(size=size, page_size=PAGE, dtype=bf, kv_lora_rank=s.kv_lora_rank,
+                                            qk_rope_head_dim=s.qk_rope_head_dim, layer_num=s.layers,
+                                            device="cuda", enable_memory_saver=False)
+            self.views, self.row_bytes, self.layers = list(self.pool.kv_buffer), s.kv_dim * 2, s.layers
+            self.host_cls = MLATokenToKVPoolHost
+        if interleave:
+            self._interleave_layers()
+        if hasattr(self.pool, "kvcached_allocator"):
+            self.pool.kvcached_allocator._wait_post_init()
+            self.pages = torch.tensor(sorted(self.pool.kvcached_allocator.alloc(n_pages)))
+        else:
+            self.pages = torch.arange(1, n_pages + 1)
+        tokens = (self.pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).cuda()
+        for v in self.views:
             v[tokens] = torch.randn((tokens.numel(), *v.shape[1:]), device="cuda").to(v.dtype)
-        for layout in ("layer_first", "page_first"):
-            host = host_cls(pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu")
-            for n in TOKENS:
-                dev_sets = [pages[t // PAGE] * PAGE + t % PAGE for t in token_sets(len(pages), n, skip=0)]
-                dev_sets = [d.cuda() for d in dev_sets]
-                host_sets = token_sets(host.size // PAGE, n)
-                host_bk = [h if host.can_use_write_back_jit else h.cuda() for h in host_sets]
-                host_ld = [h.cuda() for h in host_sets]
-                nbytes = n * row_bytes * layers
-                k = len(dev_sets)
-                t_b = cuda_times(lambda i: host.backup_from_device_all_layer(pool, host_bk[i % k], dev_sets[i % k], "kernel"), reps)
 
-                def load(i):
-                    for layer in range(layers):
-                        host.load_to_device_per_layer(pool, host_ld[i % k], dev_sets[i % k], layer, "kernel")
-                t_l = cuda_times(load, reps)
-                for direction, t in (("backup", t_b), ("load", t_l)):
-                    rows.append(timed_row(nbytes, t, mode=mode, pool=part.upper(), direction=direction,
-                                          host_layout=layout, batch=n))
-                if n == 4096:  # the timed path must also be the right one
-                    ok = loads_back_exactly(host, pool, views, layers, dev_sets[0], dev_sets[1], host_bk[0], host_ld[0])
-                    rows.append(dict(mode=mode, pool=part.upper(), host_layout=layout, batch=n, byte_exact=ok))
-            host.destroy()
-        del pool, views
+    def _interleave_layers(self):
+        """Re-point the pool at per-layer views of one buffer, laid out as kvcached's
+        contiguous layout lays them: [token][layer][K, V][row]."""
+        import torch
+        pool, groups = self.pool, (2 if self.part == "mha" else 1)
+        first = self.views[0]
+        whole = torch.empty((first.shape[0], self.layers, groups, *first.shape[1:]), dtype=first.dtype,
+                            device=first.device)
+        per_group = [[whole[:, layer, g] for layer in range(self.layers)] for g in range(groups)]
+        if self.part == "mha":
+            pool.k_buffer, pool.v_buffer = per_group
+            for name in ("k_data_ptrs", "v_data_ptrs", "data_ptrs"):  # kvcached publishes none of them
+                if hasattr(pool, name):
+                    delattr(pool, name)
+        else:
+            (pool.kv_buffer,) = per_group
+            pool.data_ptrs = torch.tensor([v.data_ptr() for v in pool.kv_buffer], dtype=torch.uint64,
+                                          device=first.device)
+        self.views = [v for group in per_group for v in group]
         torch.cuda.empty_cache()
+
+    def host_pool(self, layout: str):
+        return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu")
+
+    def index_sets(self, host, n_tokens: int):
+        """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each."""
+        dev = [(self.pages[t // PAGE] * PAGE + t % PAGE).cuda()
+               for t in token_sets(self.gen, len(self.pages), n_tokens, skip=0)]
+        host_sets = token_sets(self.gen, host.size // PAGE, n_tokens)
+        backup = [h if host.can_use_write_back_jit else h.cuda() for h in host_sets]
+        return dev, backup, [h.cuda() for h in host_sets]
+
+    def calls(self, host, n_tokens: int):
+        """backup(i), load(i): the timed operations on the i-th rotating index set; and
+        check(): whether a backup loaded back elsewhere reproduces the bytes."""
+        dev, host_bk, host_ld = self.index_sets(host, n_tokens)
+        k = len(dev)
+
+        def backup(i):
+            host.backup_from_device_all_layer(self.pool, host_bk[i % k], dev[i % k], "kernel")
+
+        def load(i):
+            for layer in range(self.layers):
+                host.load_to_device_per_layer(self.pool, host_ld[i % k], dev[i % k], layer, "kernel")
+
+        def check():
+            return loads_back_exactly(host, self.pool, self.views, self.layers,
+                                      dev[0], dev[1], host_bk[0], host_ld[0])
+
+        return backup, load, check
+
+    def release(self):
+        import torch
+        del self.pool, self.views
+        torch.cuda.empty_cache()
+
+
+def kv_part(part, mode, reps, gen):
+    rows, kv = [], KVBench(part, gen)
+    for layout in ("layer_first", "page_first"):
+        host = kv.host_pool(layout)
+        for n in TOKENS:
+            backup, load, check = kv.calls(host, n)
+            nbytes = n * kv.row_bytes * kv.layers
+            for direction, fn in (("backup", backup), ("load", load)):
+                rows.append(timed_op(nbytes, fn, reps, mode=mode, pool=part.upper(), direction=direction,
+                                     host_layout=layout, batch=n))
+            if n == 4096:  # the timed path must also be the right one
+                rows.append(dict(mode=mode, pool=part.upper(), host_layout=layout, batch=n,
+                                 byte_exact=check()))
+        host.destroy()
+    kv.release()
     return rows
 
 
@@ -226,15 +331,15 @@ def mamba_part(mode, reps, gen):
             dev_sets = [used[torch.randperm(used.numel(), generator=gen)[:n].cuda()] for _ in range(4)]
             host_sets = [torch.randperm(host.size - 1, generator=gen)[:n] + 1 for _ in range(4)]
             host_ld = [h.cuda() for h in host_sets]
-            t_b = cuda_times(lambda i: host.backup_from_device_all_layer(pool, host_sets[i % 4], dev_sets[i % 4], "kernel"), reps)
+            def backup(i):
+                host.backup_from_device_all_layer(pool, host_sets[i % 4], dev_sets[i % 4], "kernel")
 
             def load(i):
                 for layer in range(layers):
                     host.load_to_device_per_layer(pool, host_ld[i % 4], dev_sets[i % 4], layer, "kernel")
-            t_l = cuda_times(load, reps)
-            for direction, t in (("backup", t_b), ("load", t_l)):
-                rows.append(timed_row(n * per_slot, t, mode=mode, pool="Mamba", direction=direction,
-                                      host_layout="page_first", batch=n))
+            for direction, fn in (("backup", backup), ("load", load)):
+                rows.append(timed_op(n * per_slot, fn, reps, mode=mode, pool="Mamba", direction=direction,
+                                     host_layout="page_first", batch=n))
             if n == 16:
                 states = [pool.mamba_cache.at_layer_idx(l) for l in range(layers)]
                 views = [s.temporal for s in states] + [c for s in states for c in s.conv]
@@ -243,17 +348,37 @@ def mamba_part(mode, reps, gen):
     return rows
 
 
+def run_child(script: str, mode: str, native_sglang: str | None, args: list[str]) -> list[dict]:
+    """Run `script --child mode args` in a fresh process (kvcached patches at import time);
+    the native variant imports the pristine tree when one is given. Returns its rows."""
+    started, env = time.time(), dict(os.environ)
+    if mode == "native" and native_sglang:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [native_sglang, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, script, "--child", mode, *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{mode}: benchmark child failed")
+    print(f"{mode}: {time.time() - started:.0f} s", file=sys.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 VARIANTS = ("native", "patched-dense", "kvcached-contiguous", "kvcached-per-layer")
 
 
 def table(rows: list[dict]) -> str:
-    """GB/s per variant, each variant's ratio to native, and native's share of the link."""
+    """GB/s per variant, each variant's ratio to native, and native's share of the link.
+
+    Ratios are of CUDA-event throughput, then in brackets of the GPU time the copies
+    themselves took (native's / the variant's): small batches are bound by the host
+    issuing 27-28 per-layer calls, which varies from process to process."""
     all_rows = rows
     errors = [f"{r['mode']} {r['pool']}: {r['error']}" for r in rows if "error" in r]
     trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
     rows = [r for r in rows if "GBps" in r]
     link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
     by = {(r["mode"], r["pool"], r["direction"], r["host_layout"], r["batch"]): r["GBps"] for r in rows}
+    gpu_us = {(r["mode"], r["pool"], r["direction"], r["host_layout"], r["batch"]): r.get("kernel_us")
+              for r in rows}
     keys = sorted({(r["pool"], r["direction"], r["host_layout"], r["batch"]) for r in rows if r["pool"] != "link"})
     short = {"native": "native", "patched-dense": "dense", "kvcached-contiguous": "contig",
              "kvcached-per-layer": "per-layer"}
@@ -265,7 +390,14 @@ def table(rows: list[dict]) -> str:
     for key in keys:
         values = [by.get((v, *key)) for v in VARIANTS]
         nat = values[0]
-        rel = [f"{x / nat:.2f}" if x is not None and nat else "-" for x in values[1:]]
+        nat_us = gpu_us.get(("native", *key))
+
+        def rel(variant, x):  # event-time ratio, and GPU-time ratio in brackets
+            if x is None or not nat:
+                return "-"
+            us = gpu_us.get((variant, *key))
+            return f"{x / nat:.2f}" + (f" ({nat_us / us:.2f})" if us and nat_us else "")
+        rel = [rel(v, x) for v, x in zip(VARIANTS[1:], values[1:])]
         of_link = f"{nat / link[key[1]]:.2f}" if nat and key[1] in link else "-"
         lines.append(f"| {' | '.join(map(str, key))} | {' | '.join(map(f, values))} | {' | '.join(rel)} | {of_link} |")
     lines += [f"not measured: {e}" for e in errors]
@@ -283,7 +415,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", default="link,mha,mla,mamba")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(VARIANTS), help=f"any of {','.join(MODES)}")
     ap.add_argument("--native-sglang", help="python/ folder of an unpatched SGLang 0.5.20, for the native variant")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -296,17 +428,7 @@ def main():
                 reps=args.reps, page_size=PAGE)
     rows = []
     for mode in args.modes.split(","):
-        t = time.time()
-        env = dict(os.environ)
-        if mode == "native" and args.native_sglang:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.native_sglang, env.get("PYTHONPATH")]))
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--reps", str(args.reps),
-                               "--parts", args.parts], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{mode}: benchmark child failed")
-        rows += json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{mode}: {time.time() - t:.0f} s", file=sys.stderr)
+        rows += run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts])
         with open(args.out, "w") as handle:  # after every variant: a cut-short run keeps what it measured
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     print(table(rows))

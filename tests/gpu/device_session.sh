@@ -5,6 +5,7 @@
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)
 #   bench      bench/transfer_bench.py, native = the pristine copy
+#   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
@@ -36,6 +37,11 @@ if has bench; then
     > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi
-for f in unpatched patched bench; do
+if has profile; then
+  python3 bench/profile_transfers.py --native-sglang "$pristine" --out "$out/profile.json" ${PROFILE_ARGS:-} \
+    > "$out/profile.log" 2>&1
+  echo "profile exit: $?" >> "$out/profile.log"
+fi
+for f in unpatched patched bench profile; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|^\|" "$out/$f.log" | tail -n 60; }
 done

@@ -3,7 +3,9 @@
     python bench/plot.py bench/results-h200.json bench/results-h200.png
 
 One panel per (pool, direction, host layout); the pinned-copy bandwidth of the same run
-is the dashed line every panel is bounded by. Needs matplotlib (requirements/bench.txt).
+is the dashed line every panel is bounded by. Solid lines: throughput by CUDA-event time
+(host included); dotted, same colour: by the GPU time of the copies alone, where the
+run recorded it. Needs matplotlib (requirements/bench.txt).
 """
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ def main(src, dst):
                             if (r["mode"], r["pool"], r["direction"], r["host_layout"]) == (mode, pool, direction, layout))
             if points:
                 ax.plot(*zip(*points), marker="o", ms=3, label=label, color=color)
+            gpu_points = sorted((r["batch"], r["batch_bytes"] / r["kernel_us"] / 1e3) for r in rows
+                                if "kernel_us" in r and (r["mode"], r["pool"], r["direction"], r["host_layout"])
+                                == (mode, pool, direction, layout))
+            if gpu_points:
+                ax.plot(*zip(*gpu_points), ls=":", lw=1.2, color=color, label=f"{label}, GPU time only")
         if direction in link:
             ax.axhline(link[direction], ls="--", color="grey", lw=1, label="pinned copy")
         ax.set_xscale("log", base=2)

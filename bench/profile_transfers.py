@@ -117,13 +117,16 @@ def main():
         json.dump(child(args.child, args.reps, args.parts.split(","), args.unrolls.split(","),
                         [int(t) for t in args.tokens.split(",")]), sys.stdout)
         return
+    import torch
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                reps=args.reps, page_size=tb.PAGE)
     rows = []
     for mode in args.modes.split(","):
         rows += tb.run_child(__file__, mode, args.native_sglang,
                              ["--reps", str(args.reps), "--parts", args.parts, "--unrolls", args.unrolls,
                               "--tokens", args.tokens])
-        with open(args.out, "w") as handle:
-            json.dump(rows, handle, indent=1)
+        with open(args.out, "w") as handle:  # after every variant, as transfer_bench.py
+            json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     print(table(rows))
 
 

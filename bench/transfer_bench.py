@@ -91,7 +91,8 @@ def kernel_profile(fn, reps):
             torch.cuda.synchronize()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
             prof.export_chrome_trace(trace.name)
-            events = json.load(open(trace.name))["traceEvents"]
+            with open(trace.name) as handle:
+                events = json.load(handle)["traceEvents"]
         gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         kernels = [e for e in gpu if e["cat"] == "kernel"]
         per_rep.append(dict(

@@ -1,13 +1,17 @@
 # syntax=docker/dockerfile:1
 # SGLang 0.5.20 (the official CUDA 13 image, pinned by digest) with kvcached 0.1.6 and the
 # elastic-HiCache patch series applied to the SGLang the image's Python imports.
-# Build: `make image` (no GPU needed). Run: see README.md ("docker run").
+# Build: `make image` (no GPU needed), which passes sglang.pin's values as the build
+# arguments below (their defaults equal sglang.pin; the CPU tier checks it). Run: see
+# README.md ("docker run").
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.20-cu130
 ARG SGLANG_IMAGE_DIGEST=sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f
 FROM ${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}
 
 ARG SGLANG_IMAGE
 ARG SGLANG_IMAGE_DIGEST
+ARG SGLANG_VERSION=0.5.20
+ARG SGLANG_COMMIT=94602c9c2b7cbdb8efd5c52802dac6a1c180089e
 ARG REVISION=unknown
 ARG SOURCE=unknown
 ARG KVCACHED_VERSION=0.1.6
@@ -17,8 +21,8 @@ ARG PYTEST_VERSION=9.0.3
 ARG TORCH_CUDA_ARCH_LIST="9.0;10.0"
 
 LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
-      org.opencontainers.image.description="SGLang 0.5.20 + kvcached 0.1.6 with HiCache patched for elastic (strided) KV pools" \
-      org.opencontainers.image.version="0.5.20-elastic-hicache" \
+      org.opencontainers.image.description="SGLang ${SGLANG_VERSION} (${SGLANG_COMMIT}) + kvcached ${KVCACHED_VERSION} with HiCache patched for elastic (strided) KV pools" \
+      org.opencontainers.image.version="${SGLANG_VERSION}-elastic-hicache" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.base.name="${SGLANG_IMAGE}" \
@@ -26,6 +30,7 @@ LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/elastic-hicache
+COPY sglang.pin ./
 COPY patches/ patches/
 COPY scripts/ scripts/
 COPY tests/ tests/

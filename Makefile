@@ -7,9 +7,11 @@ VPY := $(VENV)/bin/python
 PATCHED := build/sglang-patched
 SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
+# SGLang's pinned release: SGLANG_VERSION, SGLANG_COMMIT, SGLANG_IMAGE, SGLANG_IMAGE_DIGEST.
+include sglang.pin
 
 .PHONY: all patched sglang venv apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu bench profile e2e image wheel ci clean
+        import-patches export-patches test test-gpu mutants bench profile e2e image wheel ci clean
 
 all: patched
 
@@ -22,6 +24,11 @@ $(VENV)/.installed: requirements/cpu.txt
 	$(VPY) -m pip install -q -r requirements/cpu.txt
 	touch $@
 
+# SGLang's formatters, which scripts/check runs over the patched files.
+$(VENV)/.lint-installed: requirements/lint.txt $(VENV)/.installed
+	$(VPY) -m pip install -q -r requirements/lint.txt
+	touch $@
+
 venv: $(VENV)/.installed
 
 # The main job: pristine 0.5.20 (submodule or wheel) -> a copy with the series applied.
@@ -32,31 +39,39 @@ patched: venv
 	PYTHONPATH=$(PATCHED)/python $(VPY) -c "import sglang.srt.mem_cache.pool_host.mha, \
 	  sglang.srt.mem_cache.pool_host.mla, sglang.srt.mem_cache.pool_host.mamba, \
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
-	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)" 2>/dev/null
+	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
 	@scripts/status $(PATCHED)
 
 apply-patches:
-	scripts/apply $(SGLANG_DIR) $(if $(FORCE),--force)
+	scripts/apply "$(SGLANG_DIR)" $(if $(FORCE),--force)
 
 unapply-patches:
-	scripts/reverse $(SGLANG_DIR)
+	scripts/reverse "$(SGLANG_DIR)" $(if $(FORCE),--force)
 
 status:
-	scripts/status $(SGLANG_DIR)
+	scripts/status "$(SGLANG_DIR)"
 
-check-patches:
-	scripts/check $(PRISTINE)
+# Lint, exactness in both layouts, the export round trip and SGLang's formatters.
+check-patches: $(VENV)/.lint-installed
+	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 
+# The work folder of the series as commits: SERIES_WORK (default build/work).
 import-patches:
-	scripts/import-patches
+	scripts/import-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
 export-patches:
-	scripts/export-patches
+	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
-test: patched
-	scripts/check $(PRISTINE)
+test: patched $(VENV)/.lint-installed
+	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
 	  $(VPY) -m pytest -q -p no:cacheprovider tests/cpu
+
+# Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
+# builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.
+MUTANTS_ARGS ?=
+mutants: venv
+	$(VPY) -m tests.mutation.run $(MUTANTS_ARGS)
 
 # On a CUDA machine with kvcached 0.1.6 and the patched SGLang importable.
 test-gpu:
@@ -76,22 +91,39 @@ bench:
 profile:
 	$(PYTHON) bench/profile_transfers.py --native-sglang $(NATIVE_SGLANG) --out bench/profile.json
 
-# Model-level comparison, native vs the patched image (GPU runner with Docker and models).
-E2E_CASE ?= qwen2.5-0.5b
-E2E_LAYOUT ?= default
+# Model-level comparison: SGLang's server, native vs kvcached (ci/e2e/compare_servers.py;
+# results and the exact commands: docs/e2e-results.md). E2E_ARGS picks rows (--pool, --case,
+# --host-layout, --variants, --l3, --gpus, --jobs). Launchers:
+#   docker (GPU runner with Docker and models): the official image vs `make image`;
+#   local (a CUDA machine where $(PYTHON) imports SGLang 0.5.20 and kvcached 0.1.6): both
+#   trees are copies of that SGLang (ci/e2e/trees.sh), one with the series applied.
+E2E_LAUNCHER ?= docker
+E2E_ARGS ?= --pool mha
+E2E_SERVER_FLAGS ?=
+E2E_OUT ?= build/e2e/report.json
+E2E_TREES ?= build/e2e/trees
 e2e:
-	$(PYTHON) ci/e2e/compare_servers.py --case $(E2E_CASE) --layout $(E2E_LAYOUT) \
-	  --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) --out build/e2e-$(E2E_CASE)-$(E2E_LAYOUT).json
+ifeq ($(E2E_LAUNCHER),local)
+	ci/e2e/trees.sh $(PYTHON) $(E2E_TREES)
+	$(PYTHON) ci/e2e/compare_servers.py --launcher local --pristine-path $(E2E_TREES)/pristine \
+	  --patched-path $(E2E_TREES)/patched $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") \
+	  $(E2E_ARGS) --out $(E2E_OUT)
+else
+	$(PYTHON) ci/e2e/compare_servers.py --launcher docker --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) \
+	  --set hf $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(E2E_ARGS) --out $(E2E_OUT)
+endif
 
-SGLANG_IMAGE ?= lmsysorg/sglang:v0.5.20-cu130
-SGLANG_IMAGE_DIGEST ?= sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f
 image:
 	docker build --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
+	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t sglang-elastic-hicache:0.5.20 .
+	  -t sglang-elastic-hicache:$(SGLANG_VERSION) .
 
-wheel: sglang
-	scripts/build-wheel $$(ls build/cache/sglang-0.5.20-*.whl | head -n1) dist
+# PyPI's wheel of the pinned release with the series applied (scripts/build-wheel), checked
+# against the pristine tree in use (the submodule or the wheel's own tree).
+WHEEL_OUT ?= dist
+wheel:
+	scripts/build-wheel --out "$(WHEEL_OUT)"
 
 ci:
 	bash .ci/run

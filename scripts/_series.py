@@ -1,40 +1,70 @@
-"""Shared logic of the patch-series scripts: the series, the target tree, and git apply.
+"""Shared logic of the patch-series scripts: the pin, the series, the target tree.
 
-The series lives in ``patches/series`` (one ``NNNN-subject.patch`` per line, in order).
-Patches carry upstream paths (``a/python/sglang/...``). A target is either
+The series lives in ``patches/series`` (one ``NNNN-subject.patch`` per line, in order);
+the SGLang release it is for is pinned in ``sglang.pin``. Patches carry upstream paths
+(``a/python/sglang/...``). A target is either
 
-* an upstream checkout: a folder holding ``python/sglang/`` (applied with ``-p1``), or
+* an upstream checkout: a folder holding ``python/sglang/``,
 * an installed SGLang: a folder holding ``sglang/`` directly, such as site-packages or
-  ``/sgl-workspace/sglang/python`` (applied with ``-p2``).
+  ``/sgl-workspace/sglang/python``, or
+* the ``sglang`` package folder itself (taken as installed in its parent folder).
 
-Every change goes through one ``git apply`` invocation over the whole series, which is
-atomic: either every hunk applies exactly (git apply never fuzzes) or nothing is written.
+``survey`` reads what a target holds of the series, hunk by hunk (scripts/_hunks.py);
+scripts/apply and scripts/reverse then write the files they change in one journaled
+transaction (scripts/_journal.py), which every verb first recovers if one was cut short.
 """
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import csv
-import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hunks  # noqa: E402
+import _journal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
 SERIES_FILE = PATCH_DIR / "series"
-EXPECTED_VERSION = "0.5.20"
-UPSTREAM_COMMIT = "94602c9c2b7cbdb8efd5c52802dac6a1c180089e"
+PIN_FILE = ROOT / "sglang.pin"
 UPSTREAM_PREFIX = "python/"
 
 
 class SeriesError(Exception):
     """A condition the user must fix; the message says what and how."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
+    """sglang.pin: KEY=value lines (the same file bash sources and make includes)."""
+    if not path.is_file():
+        raise SeriesError(f"{path} is missing: it pins the SGLang release the series is for")
+    pin = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, sep, value = line.partition("=")
+            if not sep or not re.fullmatch(r"[A-Z_]+", key) or not re.fullmatch(r"[^\s\"']+", value):
+                raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
+            pin[key] = value
+    for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
+        if key not in pin:
+            raise SeriesError(f"{path} does not set {key}")
+    return pin
+
+
+PIN = read_pin()
+EXPECTED_VERSION = PIN["SGLANG_VERSION"]
+UPSTREAM_COMMIT = PIN["SGLANG_COMMIT"]
 
 
 def read_series() -> list[Path]:
@@ -58,41 +88,84 @@ def touched_files(patch: Path) -> list[str]:
     return paths
 
 
+class Series:
+    """The parsed patches, and per file the hunks that touch it in series order."""
+
+    def __init__(self, paths: list[Path]):
+        try:
+            self.patches = [_hunks.parse_patch(p) for p in paths]
+        except (OSError, _hunks.PatchError) as exc:
+            raise SeriesError(str(exc))
+        self.paths: list[str] = []
+        self._hunks: dict[str, list[_hunks.Hunk]] = {}
+        self._blobs: dict[str, list[str | None]] = {}
+        for patch in self.patches:
+            for diff in patch.files:
+                if diff.path not in self._hunks:
+                    self.paths.append(diff.path)
+                    self._hunks[diff.path], self._blobs[diff.path] = [], [diff.old_blob]
+                self._hunks[diff.path] += diff.hunks
+                self._blobs[diff.path].append(diff.new_blob)
+
+    @classmethod
+    def load(cls) -> "Series":
+        return cls(read_series())
+
+    def hunks(self, path: str) -> list[_hunks.Hunk]:
+        return self._hunks[path]
+
+    def pristine_blob(self, path: str) -> str | None:
+        """SGLang's own file, as the first patch that touches it names it."""
+        return self._blobs[path][0]
+
+
 @dataclass(frozen=True)
 class Target:
     """Where SGLang's sources live and how patch paths map onto them."""
 
-    root: Path  # the folder git apply runs in
-    strip: int  # -p value for git apply
-    layout: str  # "checkout" or "installed"
+    root: Path
+    layout: str  # "checkout" (root/python/sglang) or "installed" (root/sglang)
 
     @property
     def package_dir(self) -> Path:
-        if self.layout == "checkout":
-            return self.root / "python" / "sglang"
-        return self.root / "sglang"
+        return self.root / "python" / "sglang" if self.layout == "checkout" else self.root / "sglang"
 
     def local_path(self, upstream_path: str) -> Path:
         if self.layout == "checkout":
             return self.root / upstream_path
         return self.root / upstream_path[len(UPSTREAM_PREFIX):]
 
+    def show(self, upstream_path: str) -> str:
+        """A touched file as the user knows it: relative to the folder they named."""
+        return str(self.local_path(upstream_path).relative_to(self.root))
+
+
+def _is_package(folder: Path) -> bool:
+    return (folder / "__init__.py").is_file()
+
 
 def find_target(path: str | os.PathLike) -> Target:
     root = Path(path).resolve()
     if not root.is_dir():
         raise SeriesError(f"{path}: no such directory")
-    if (root / "python" / "sglang" / "__init__.py").is_file():
-        return Target(root, 1, "checkout")
-    if (root / "sglang" / "__init__.py").is_file():
-        return Target(root, 2, "installed")
-    if root.name == "sglang" and (root / "srt").is_dir():
+    checkout = _is_package(root / "python" / "sglang")
+    installed = _is_package(root / "sglang")
+    if checkout and installed:
         raise SeriesError(
-            f"{path} is the sglang package itself; pass the folder that holds it: {root.parent}"
-        )
+            f"{path} holds two SGLang packages, {root / 'python' / 'sglang'} (an upstream checkout) and "
+            f"{root / 'sglang'} (an installed package); which one Python imports depends on its search "
+            "path, so name the package folder you mean instead: "
+            f"{root / 'python' / 'sglang'} or {root / 'sglang'} (scripts/install-into-python --python PY "
+            "finds the one PY imports)")
+    if checkout:
+        return Target(root, "checkout")
+    if installed:
+        return Target(root, "installed")
+    if root.name == "sglang" and _is_package(root) and (root / "srt").is_dir():
+        return Target(root.parent, "installed")
     raise SeriesError(
-        f"{path} is not an SGLang tree: expected python/sglang/ (an upstream checkout) "
-        "or sglang/ (an installed SGLang, e.g. site-packages) inside it"
+        f"{path} is not an SGLang tree: expected python/sglang/ (an upstream checkout) or sglang/ "
+        "(an installed SGLang, e.g. site-packages) inside it, or the sglang package folder itself"
     )
 
 
@@ -104,18 +177,45 @@ def _read_version_file(package_dir: Path) -> str | None:
     return match.group(1) if match else None
 
 
-def _read_dist_info_version(root: Path) -> str | None:
-    for metadata in sorted(root.glob("sglang-*.dist-info/METADATA")):
+def _metadata_version(dist_info: Path) -> str | None:
+    metadata = dist_info / "METADATA"
+    if metadata.is_file():
         for line in metadata.read_text(errors="replace").splitlines():
             if line.startswith("Version:"):
                 return line.split(":", 1)[1].strip()
+            if not line:
+                break
     return None
 
 
-def _git(root: Path, *args: str) -> str | None:
-    proc = subprocess.run(
-        ["git", "-C", str(root), *args], capture_output=True, text=True
-    )
+def _records_package(dist_info: Path) -> bool:
+    record = dist_info / "RECORD"
+    if not record.is_file():
+        return False
+    with record.open(newline="") as handle:
+        return any(row and row[0] == "sglang/__init__.py" for row in csv.reader(handle))
+
+
+def owning_dist_info(root: Path) -> Path | None:
+    """The sglang-*.dist-info that installed root/sglang, or None when there is none.
+
+    A stale dist-info (an upgrade pip did not finish, a copied folder) can sit beside the
+    real one: only those whose RECORD lists sglang/__init__.py count, and two of those
+    are a tree nobody can tell apart: refused. (The package's own _version.py, read
+    first, is what pip and Python see; the dist-info is asked only when it is missing.)
+    """
+    candidates = sorted(p for p in root.glob("*.dist-info")
+                        if p.name.lower().startswith("sglang-") and _records_package(p))
+    if len(candidates) > 1:
+        raise SeriesError(
+            f"{root} holds {len(candidates)} dist-info folders that each claim sglang/ "
+            f"({', '.join(p.name for p in candidates)}); remove the stale one(s) "
+            "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
+    return candidates[0] if candidates else None
+
+
+def _git_head(folder: Path) -> str | None:
+    proc = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
@@ -123,19 +223,19 @@ def detect_version(target: Target) -> str:
     """The SGLang version of a tree, from the package's own metadata.
 
     In order: the generated ``sglang/_version.py`` (wheels, installs, built checkouts),
-    the ``dist-info`` beside an installed package, then for a bare upstream checkout its
-    git commit (the pinned v0.5.20 commit counts as 0.5.20).
+    the dist-info that installed the package, then for a bare upstream checkout its git
+    commit (the pinned commit counts as the pinned version).
     """
     version = _read_version_file(target.package_dir)
-    if version is None and target.layout == "installed":
-        version = _read_dist_info_version(target.root)
-    if version is None and target.layout == "checkout":
-        head = _git(target.root, "rev-parse", "HEAD")
+    if version is None:
+        dist_info = owning_dist_info(target.root)
+        version = _metadata_version(dist_info) if dist_info else None
+    if version is None:
+        head = _git_head(target.package_dir)
         if head == UPSTREAM_COMMIT:
             version = EXPECTED_VERSION
         elif head:
-            described = _git(target.root, "describe", "--tags", "--always", "HEAD")
-            version = f"unknown (commit {described or head})"
+            version = f"unknown (git commit {head})"
     if version is None:
         raise SeriesError(
             f"cannot tell the SGLang version of {target.package_dir}: no _version.py, "
@@ -154,108 +254,158 @@ def check_version(target: Target) -> str:
     return version
 
 
-def _record_hashes(target: Target) -> dict[str, str] | None:
-    """sha256 of every file an installed wheel recorded, keyed by upstream path."""
-    records = sorted(target.root.glob("sglang-*.dist-info/RECORD"))
-    if target.layout != "installed" or not records:
-        return None
-    hashes = {}
-    with records[0].open(newline="") as handle:
-        for row in csv.reader(handle):
-            if len(row) >= 2 and row[1].startswith("sha256="):
-                hashes[UPSTREAM_PREFIX + row[0]] = row[1][len("sha256="):]
-    return hashes
+PATCH_LEFTOVERS = (".orig", ".rej")
 
 
-def _sha256_b64(path: Path) -> str:
-    digest = hashlib.sha256(path.read_bytes()).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+@dataclass
+class PatchState:
+    name: str
+    state: str  # applied | not applied | partly applied | conflicting
+    detail: str = ""
 
 
-def modified_files(target: Target, patches: list[Path]) -> list[str] | None:
-    """Files the series touches that differ from what the target was installed with.
+@dataclass
+class Survey:
+    """What a target holds of the series: per file, per patch, and files that should not be there."""
 
-    Returns None when the target keeps no record to compare with (not a git checkout
-    and no wheel RECORD): the atomic apply still refuses any context mismatch.
-    """
-    upstream_paths = sorted({p for patch in patches for p in touched_files(patch)})
-    hashes = _record_hashes(target)
-    if hashes is not None:
-        return [
-            p
-            for p in upstream_paths
-            if p in hashes
-            and target.local_path(p).is_file()
-            and _sha256_b64(target.local_path(p)) != hashes[p]
-        ]
-    top = _git(target.root, "rev-parse", "--show-toplevel")
-    if top is None:
-        return None
-    local = [str(target.local_path(p)) for p in upstream_paths]
-    status = _git(target.root, "status", "--porcelain", "--untracked-files=no", "--", *local)
-    return [line[3:] for line in (status or "").splitlines()]
+    target: Target
+    series: Series
+    files: dict[str, _hunks.FileState]
+    foreign: list[Path] = field(default_factory=list)
 
+    @cached_property
+    def patches(self) -> list[PatchState]:
+        applied = {}
+        for state in self.files.values():
+            applied.update({(h.patch, h.number): a for h, a in zip(state.hunks, state.applied)})
+        out = []
+        for patch in self.series.patches:
+            broken = [self.files[d.path] for d in patch.files if not self.files[d.path].consistent]
+            if broken:
+                out.append(PatchState(patch.name, "conflicting", "; ".join(
+                    f"{self.target.show(f.path)}: {f.conflict}" for f in broken)))
+                continue
+            flags = [applied[(patch.name, h.number)] for h in patch.hunks]
+            if all(flags):
+                out.append(PatchState(patch.name, "applied"))
+            elif not any(flags):
+                out.append(PatchState(patch.name, "not applied"))
+            else:
+                out.append(PatchState(patch.name, "partly applied", f"{sum(flags)} of {len(flags)} hunks in"))
+        return out
 
-def git_apply(target: Target, patches: list[Path], *, reverse=False, check=False):
-    """Run one git apply over ``patches`` in ``target``; returns the CompletedProcess.
+    @property
+    def state(self) -> str:
+        """applied, pristine (none of the series in), partial, or conflicting."""
+        states = {p.state for p in self.patches}
+        if "conflicting" in states:
+            return "conflicting"
+        if states == {"applied"}:
+            return "applied"
+        if states == {"not applied"}:
+            return "pristine"
+        return "partial"
 
-    A throwaway GIT_DIR keeps git from discovering an enclosing repository (an
-    installed tree inside an editable checkout, say), so paths are always relative to
-    ``target.root``. git's own ``--check`` does not carry a file's state from one patch
-    to the next, so a series with two patches to one file would never check; a check
-    applies for real to a scratch copy of the touched files instead.
-    """
-    if check:
-        with tempfile.TemporaryDirectory(prefix="series-check-") as scratch:
-            for upstream_path in {p for patch in patches for p in touched_files(patch)}:
-                source = target.local_path(upstream_path)
-                if source.exists():
-                    copy = Path(scratch) / source.relative_to(target.root)
-                    copy.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source, copy)
-            return git_apply(replace(target, root=Path(scratch)), patches, reverse=reverse)
-    with tempfile.TemporaryDirectory(prefix="series-git-") as git_dir:
-        subprocess.run(["git", "init", "-q", "--bare", git_dir], check=True)
-        env = dict(os.environ, GIT_DIR=git_dir, GIT_WORK_TREE=str(target.root))
-        cmd = ["git", "apply", f"-p{target.strip}", "--whitespace=nowarn"]
-        if reverse:
-            cmd.append("--reverse")
-        ordered = list(reversed(patches)) if reverse else list(patches)
-        cmd += [str(p) for p in ordered]
-        return subprocess.run(cmd, cwd=target.root, env=env, capture_output=True, text=True)
+    @property
+    def missing(self) -> list[str]:
+        return [p for p, f in self.files.items() if not f.present]
 
+    @property
+    def conflicts(self) -> list[_hunks.FileState]:
+        return [f for f in self.files.values() if f.present and f.conflict]
 
-def series_state(target: Target, patches: list[Path]) -> str:
-    """'applied', 'pristine' (the whole series applies), or 'partial'."""
-    if not patches:
-        return "applied"
-    if git_apply(target, patches, reverse=True, check=True).returncode == 0:
-        return "applied"
-    if git_apply(target, patches, check=True).returncode == 0:
-        return "pristine"
-    return "partial"
+    @property
+    def local_edits(self) -> list[str]:
+        return [p for p, f in self.files.items() if f.consistent and f.local_edits]
 
 
-def first_failing_patch(target: Target, patches: list[Path]) -> tuple[Path, str]:
-    """The first patch that does not apply on top of the ones before it."""
-    for count in range(1, len(patches) + 1):
-        proc = git_apply(target, patches[:count], check=True)
-        if proc.returncode != 0:
-            return patches[count - 1], proc.stderr.strip()
-    raise AssertionError("every patch applies")
+def survey(target: Target, series: Series) -> Survey:
+    files = {}
+    foreign = []
+    for path in series.paths:
+        local = target.local_path(path)
+        data = local.read_bytes() if local.is_file() else None
+        files[path] = _hunks.analyse(path, data, series.hunks(path), series.pristine_blob(path))
+        for leftover in [local.with_name(local.name + s) for s in PATCH_LEFTOVERS] + [
+                local.with_name(f".{local.name}{s}") for s in (_journal.NEW_SUFFIX, _journal.OLD_SUFFIX)]:
+            if leftover.exists():
+                foreign.append(leftover)
+    return Survey(target, series, files, foreign)
 
 
-def applied_prefix(target: Target, patches: list[Path]) -> int:
-    """How many leading patches of the series are already in the tree."""
-    count = 0
-    for size in range(1, len(patches) + 1):
-        if git_apply(target, patches[:size], reverse=True, check=True).returncode == 0:
-            count = size
-        else:
-            break
-    return count
+def restore_hint(target: Target, paths: list[str]) -> str:
+    """How to bring SGLang's own copy of files back."""
+    shown = " ".join(target.show(p) for p in paths)
+    return (f"restore {shown} from SGLang {EXPECTED_VERSION} (in a git checkout: git -C {target.root} "
+            f"checkout -- {shown}; installed: pip install --force-reinstall --no-deps sglang=={EXPECTED_VERSION})")
+
+
+@contextlib.contextmanager
+def opened(path: str):
+    """What every verb does first, under the tree's lock: find the tree, finish a change
+    that was cut short (scripts/_journal.py), check the version, read the series."""
+    target = find_target(path)
+    try:
+        with _journal.locked(target.package_dir):
+            note = _journal.recover(target.package_dir)
+            if note:
+                print(f"note: {target.package_dir}: {note}", file=sys.stderr)
+            yield target, check_version(target), Series.load()
+    except _journal.JournalError as exc:
+        raise SeriesError(str(exc))
+    except _journal.Interrupted as exc:  # while recovering: the recovery was finished first
+        raise SeriesError(f"{exc} received: the interrupted change was recovered first, then stopped",
+                          128 + exc.signum)
+    except PermissionError as exc:
+        raise SeriesError(f"{exc}: run as a user who can write {target.package_dir}")
+
+
+def write(target: Target, changes: dict[str, bytes], verb: str) -> None:
+    """Swap the new bytes of every upstream path in ``changes`` into the tree, all or none."""
+    items = [_journal.Change(target.local_path(p), data) for p, data in changes.items()]
+    try:
+        leftover = _journal.commit(target.package_dir, items, verb)
+    except _journal.Interrupted as exc:
+        code = 128 + exc.signum
+        if exc.finished:
+            raise SeriesError(f"{exc} received during the swap: the {verb} was finished first, then stopped", code)
+        raise SeriesError(f"{exc} received: the {verb} was cancelled before any file changed; nothing changed", code)
+    except OSError as exc:
+        raise SeriesError(f"{verb} failed, every file is back as it was; nothing changed: {exc}")
+    if leftover:
+        print(f"note: the {verb} went through, but removing its side files failed ({leftover}); "
+              "the next apply, reverse or status removes them", file=sys.stderr)
+
+
+def refuse_unsafe(survey: Survey, verb: str, force: bool) -> None:
+    """Stop before writing when the tree is not SGLang's files plus some of the series' hunks."""
+    target = survey.target
+    if survey.missing:
+        raise SeriesError(
+            f"{', '.join(target.show(p) for p in survey.missing)} missing from {target.root} (a tool stopped "
+            f"part-way can delete files): {restore_hint(target, survey.missing)}; nothing changed")
+    if survey.conflicts:
+        lines = "\n  ".join(f"{target.show(f.path)}: {f.conflict}" for f in survey.conflicts)
+        raise SeriesError(
+            f"files the series touches hold neither SGLang {EXPECTED_VERSION}'s text nor that text with some "
+            f"of the series' hunks; nothing changed:\n  {lines}\nif they hold edits of your own, keep a copy "
+            f"and {restore_hint(target, [f.path for f in survey.conflicts])}")
+    if survey.local_edits and not force:
+        keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
+        raise SeriesError(
+            f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} outside "
+            f"the series' hunks; pass --force to {keep}); nothing changed:\n  "
+            + "\n  ".join(target.show(p) for p in survey.local_edits))
 
 
 def fail(message: str, code: int = 1):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def run_verb(main) -> None:
+    """Run a verb's main(); a SeriesError becomes 'error: ...' and its exit code."""
+    try:
+        sys.exit(main())
+    except SeriesError as exc:
+        fail(str(exc), exc.code)

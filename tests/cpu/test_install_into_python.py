@@ -7,10 +7,13 @@ PYTHONPATH the way the image's interpreter finds /sgl-workspace/sglang.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,14 +23,29 @@ PRISTINE = os.environ.get("PRISTINE_SGLANG")
 pytestmark = pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
 
 
-def install(search_path: Path, *args: str) -> subprocess.CompletedProcess:
+def install(search_path: Path, *args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(search_path))
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"),
-                           "--python", sys.executable, *args], capture_output=True, text=True, env=env)
+                           "--python", python, *args], capture_output=True, text=True, env=env)
+
+
+def listing(tree: Path) -> dict[str, str]:
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tree.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def link_or_copy(src, dst):
+    """Hard links: the scripts replace files by rename, never in place, so the pristine
+    tree the links share inodes with is never written (and copying 5,000 files is slow)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def copy_pristine(dest: Path) -> Path:
-    shutil.copytree(Path(PRISTINE) / "sglang", dest / "sglang", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(Path(PRISTINE) / "sglang", dest / "sglang", ignore=shutil.ignore_patterns("__pycache__", "*.so"),
+                    copy_function=link_or_copy)
     return dest
 
 
@@ -37,7 +55,8 @@ def test_installed_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"sglang imports from {site / 'sglang'}" in proc.stdout
     assert "series applied" in proc.stdout and "ok:" in proc.stdout
-    assert "strided_device_row_stride" in (site / "sglang/srt/mem_cache/pool_host/common.py").read_text()
+    assert (site / "sglang/srt/mem_cache/pool_host/common.py").read_bytes() != \
+        (Path(PRISTINE) / "sglang/srt/mem_cache/pool_host/common.py").read_bytes()
     again = install(site)  # idempotent: a rebuilt layer or a second run changes nothing
     assert again.returncode == 0 and "already applied" in again.stdout
 
@@ -62,6 +81,42 @@ def test_no_sglang_is_a_clear_error(tmp_path):
 
 def test_cpu_tier_needs_the_pristine_tree(tmp_path):
     site = copy_pristine(tmp_path / "site")
-    assert install(site).returncode == 0
+    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "apply"), str(site)]).returncode == 0
     proc = install(site, "--run-cpu-tier")
     assert proc.returncode != 0 and "already patched" in proc.stderr
+
+
+def test_an_environment_that_cannot_import_sglang_is_left_unpatched(tmp_path):
+    """A Python that finds sglang/ but cannot import it (a bare venv: no numpy, no torch)
+    changes nothing, and says why in full."""
+    site = copy_pristine(tmp_path / "site")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    before = listing(site)
+    proc = install(site, python=str(bare / "bin" / "python"))
+    assert proc.returncode == 1 and "nothing changed" in proc.stderr
+    assert "Traceback (most recent call last):" in proc.stderr  # the whole traceback, not its tail
+    assert re.search(r"\nModuleNotFoundError: No module named '\w+'$", proc.stderr.rstrip())
+    assert listing(site) == before
+
+
+def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
+    """Here the interpreter stops importing SGLang once the tree is patched."""
+    site = copy_pristine(tmp_path / "site")
+    reason = "SimulatedError: " + " ".join(f"word{i}" for i in range(120))  # far longer than any cut
+    python = tmp_path / "python"
+    python.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if ! cmp -s {site}/sglang/srt/mem_cache/pool_host/common.py \\
+             {Path(PRISTINE).resolve()}/sglang/srt/mem_cache/pool_host/common.py \\
+           && [ "$1" = -c ] && case "$2" in *"import_module"*) true;; *) false;; esac; then
+          echo "{reason}" >&2; exit 1
+        fi
+        exec {sys.executable} "$@"
+        """))
+    python.chmod(0o755)
+    before = listing(site)
+    proc = install(site, python=str(python))
+    assert proc.returncode == 1 and reason in proc.stderr
+    assert "the series was taken out again; the tree is as it was" in proc.stderr
+    assert listing(site) == before

@@ -125,24 +125,32 @@ def test_defaults_back_up_and_load_through_the_controller(controller_env, kind, 
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
 @pytest.mark.parametrize("flags", [
     ("--hicache-mem-layout", "layer_first"),
-    ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"),
-], ids=["layer_first", "page_first_direct+direct"])
+    ("--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct"),
+], ids=["layer_first", "layer_first+direct"])
 def test_other_supported_flags_through_the_controller(controller_env, kind, layout, flags):
     group, controller = run(kind, layout, flags)
     assert group.anchor_entry.host_pool.layout == flags[1]
 
 
-def test_hybrid_direct_io_through_the_controller(controller_env):
-    group, controller = run("hybrid", "kvcached-contiguous",
+def test_page_first_direct_through_the_controller_where_views_are_dense(controller_env):
+    """sglang-kernel's page_first_direct copies serve dense views: kvcached's per-layer
+    MHA pool (the hybrid Mamba state, strided in both layouts, is refused there)."""
+    group, controller = run("MHA", "kvcached-per-layer",
                             ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"))
     assert controller.io_backend == "direct"
 
 
-@pytest.mark.parametrize("kind", ["MHA", "MLA"])
-def test_page_head_is_refused_when_the_stack_is_built(controller_env, kind):
+@pytest.mark.parametrize("kind,flags", [
+    ("MHA", ("--hicache-mem-layout", "page_head")),
+    ("MLA", ("--hicache-mem-layout", "page_head")),
+    ("MHA", ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct")),
+    ("MLA", ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct")),
+    ("hybrid", ("--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct")),
+])
+def test_unserved_layouts_are_refused_when_the_stack_is_built(controller_env, kind, flags):
     """The refusal reaches the operator from SGLang's own builder, before any request."""
-    with pytest.raises(ValueError, match="page_head"):
-        run(kind, "kvcached-contiguous", ("--hicache-mem-layout", "page_head"), trips=0)
+    with pytest.raises(ValueError, match="page_head|page_first_direct"):
+        run(kind, "kvcached-contiguous", flags, trips=0)
 
 
 def hybrid_host_sizes(layout, flags):

@@ -7,6 +7,7 @@ On SGLang 0.5.20 without the series these pools are built without complaint.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.kvcached_views import mha_pool, mla_pool
 
@@ -28,50 +29,107 @@ def test_mha_page_head(host_modules):
                                               device="cpu")
 
 
-def test_mha_packed_mtp_drafts(host_modules):
-    draft = mha_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=1, heads=2, head_dim=64)
-    with pytest.raises(ValueError, match="MTP draft"):
-        host_modules.mha.MHATokenToKVPoolHost(strided_mha(), 2.0, 0, PAGE, "layer_first", pin_memory=False,
-                                              device="cpu", mtp_draft_device_pools=(draft,))
-
-
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mha_without_the_jit_kernel(host_modules, monkeypatch, layout):
     monkeypatch.setattr(host_modules.mha, "can_use_hicache_jit_kernel", lambda **kw: False)
-    with pytest.raises(ValueError, match="page_first_direct"):
+    with pytest.raises(ValueError, match="JIT HiCache kernel.*KVCACHED_CONTIGUOUS_LAYOUT=false"):
         host_modules.mha.MHATokenToKVPoolHost(strided_mha(), 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
 
 
-def test_mha_page_first_without_staged_write_back(host_modules, monkeypatch):
-    monkeypatch.setattr(host_modules.mha, "can_use_write_back_jit_kernel", lambda **kw: False)
-    with pytest.raises(ValueError, match="staged write-back"):
-        host_modules.mha.MHATokenToKVPoolHost(strided_mha(), 2.0, 0, PAGE, "page_first", pin_memory=False,
-                                              device="cpu")
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_page_first_direct(host_modules, kind):
+    """sglang-kernel's page_first_direct copies take page_size * stride(0) bytes per layer
+    (tests/support/emulated_aot.py): right only for dense views."""
+    pool, cls = ((strided_mha(), host_modules.mha.MHATokenToKVPoolHost) if kind == "mha"
+                 else (strided_mla(), host_modules.mla.MLATokenToKVPoolHost))
+    with pytest.raises(ValueError, match="page_first_direct.*Use --hicache-mem-layout layer_first or page_first"):
+        cls(pool, 2.0, 0, PAGE, "page_first_direct", pin_memory=False, device="cpu")
 
 
-def test_mla_decode_context_parallel(host_modules):
-    with pytest.raises(ValueError, match="dcp-size"):
-        host_modules.mla.MLATokenToKVPoolHost(strided_mla(), 2.0, 0, PAGE, "layer_first", pin_memory=False,
-                                              device="cpu", dcp_size=2, dcp_rank=0)
+def test_mamba_page_first_direct(host_modules):
+    from tests.support.kvcached_views import mamba_pool
+
+    for layout in ("kvcached-contiguous", "kvcached-per-layer"):  # strided in both
+        pool = mamba_pool(layout, slots=4, layers=2, conv_shapes=[(96, 3)], temporal_shape=(2, 16, 16),
+                          page_bytes=64 << 10)
+        with pytest.raises(ValueError, match="page_first_direct.*--hicache-io-backend kernel"):
+            host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu",
+                                             layout="page_first_direct")
 
 
-def test_mla_packed_mtp_drafts(host_modules):
-    with pytest.raises(ValueError, match="MTP draft"):
-        host_modules.mla.MLATokenToKVPoolHost(strided_mla(), 2.0, 0, PAGE, "layer_first", pin_memory=False,
-                                              device="cpu", mtp_draft_device_pools=(strided_mla(),))
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mha_asymmetric_heads(host_modules, layout):
+    """head_dim != v_head_dim (MiMo-V2): page_first loads run sglang-kernel's dense
+    per-layer kernel, page_first_direct its dense page copies."""
+    pool = strided_mha()  # equal head dims: only the class (SGLang picks it for unequal ones) matters
+    with pytest.raises(ValueError, match="no copy path for strided MHA KV.*KVCACHED_CONTIGUOUS_LAYOUT=false"):
+        host_modules.mha.AsymmetricMHATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=False,
+                                                        device="cpu")
 
 
-def test_mla_layer_sharded(host_modules):
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mla_decode_context_parallel_is_served(host_modules, layout, rank):
+    """--dcp-size 2: a host page holds page_size * dcp_size widened slots, of which this
+    rank stores the rows s // dcp_size of its slots s % dcp_size == rank. SGLang
+    translates the indices to physical rows before any copy, so the strided copies
+    serve DCP as they are; kvcached builds DCP pools at physical size and page."""
+    from tests.support.roundtrip import as_bytes, poison, random_rows
+
+    dcp, layers = 2, 2
+    pool = strided_mla()
+    generator = torch.Generator().manual_seed(rank)
+    for view in pool.kv_buffer:
+        view[: 8 * PAGE] = random_rows(view, 8 * PAGE, generator)
+    host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE * dcp, layout, pin_memory=False,
+                                                 device="cpu", dcp_size=dcp, dcp_rank=rank)
+    poison(host.kv_buffer, generator)
+    wide = lambda page: page * PAGE * dcp + torch.arange(PAGE * dcp)  # one widened page's slots
+    before = [as_bytes(view[: 8 * PAGE]).clone() for view in pool.kv_buffer]
+    host.backup_from_device_all_layer(pool, wide(5), wide(3), "kernel")
+    for layer in range(layers):  # host page 5 holds device page 3's physical rows
+        assert torch.equal(as_bytes(host.data_refs[layer][5 * PAGE: 6 * PAGE]), before[layer][3 * PAGE: 4 * PAGE])
+    for layer in range(layers):
+        host.load_to_device_per_layer(pool, wide(5), wide(6), layer, "kernel")
+    for layer, view in enumerate(pool.kv_buffer):
+        expected = before[layer].clone()
+        expected[6 * PAGE: 7 * PAGE] = before[layer][3 * PAGE: 4 * PAGE]
+        assert torch.equal(as_bytes(view[: 8 * PAGE]), expected)
+
+
+def test_mla_layer_sharded_is_served(host_modules):
+    """Layer-sharded pools back up layer by layer through the one-layer kernel, which
+    reads each view's stride: the same path as for dense views, so nothing is refused."""
+    from tests.support.roundtrip import RoundTrip, fill_random, mla_families, pages_to_rows, poison
+
     pool = strided_mla()
     pool.layer_shard_enabled = True
     pool.layer_shard_size = 1
     pool._owned_local_layer_range = lambda: (0, pool.layer_num)
-    with pytest.raises(ValueError, match="layer-sharded"):
-        host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "layer_first", pin_memory=False, device="cpu")
+    host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "layer_first", pin_memory=False,
+                                                 device="cpu")
+    generator = torch.Generator().manual_seed(1)
+    families = mla_families(pool, host)
+    fill_random(families, pages_to_rows(range(1, 8), PAGE), generator)
+    poison(host.kv_buffer, generator)
+    RoundTrip(families, range(1, 8), range(1, host.size // PAGE), PAGE, pool.layer_num,
+              backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, "kernel"),
+              load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, "kernel"),
+              seed=2, max_pages=3, device="cpu").run(6)
 
 
 def test_dense_pools_are_not_refused(host_modules):
     """The refusals are for strided views only: SGLang's own pools keep every option."""
     dense = mha_pool("native", size=8 * PAGE, page_size=PAGE, layers=2, heads=2, head_dim=64)
     host = host_modules.mha.MHATokenToKVPoolHost(dense, 2.0, 0, PAGE, "page_head", pin_memory=False, device="cpu")
-    assert not host.device_views_strided
+    assert host.strided_device_layers is None
+
+
+def test_mla_rows_the_jit_kernel_cannot_take(host_modules):
+    """DeepSeek's MLA rows in fp8 are 576 bytes: the JIT HiCache kernel (its real gate,
+    over the emulated build) takes multiples of 128 only, and sglang-kernel's fallback
+    kernels address rows as if each layer were dense."""
+    pool = mla_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=2, kv_lora_rank=512,
+                    qk_rope_head_dim=64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="JIT HiCache kernel.*unavailable.*disable --enable-hierarchical-cache"):
+        host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu")

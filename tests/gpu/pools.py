@@ -28,10 +28,11 @@ def mha_pool(shape, layers=None):
                                        enable_memory_saver=False))
 
 
-def mla_pool(shape):
+def mla_pool(shape, layers=None):
     return elastic(mp.MLATokenToKVPool(size=DEVICE_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16,
                                        kv_lora_rank=shape.kv_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim,
-                                       layer_num=shape.layers, device="cuda", enable_memory_saver=False))
+                                       layer_num=layers or shape.layers, device="cuda",
+                                       enable_memory_saver=False))
 
 
 def gdn_pool(model, slots=24):

@@ -46,7 +46,8 @@ def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout):
     finally:
         host.destroy()
     record(test=kind, host_layout=layout, io_backend="kernel", trips=trips, result="pass",
-           device_stride_bytes=getattr(host, "device_token_stride_bytes", None), seconds=round(time.time() - start, 1))
+           device_stride_bytes=host.strided_device_layers[0].stride_bytes if host.strided_device_layers else None,
+           seconds=round(time.time() - start, 1))
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -87,4 +88,4 @@ def test_mamba_gdn(model, trips):
     finally:
         host.destroy() if hasattr(host, "destroy") else None
     record(test=f"Mamba {model.name}", host_layout="page_first", io_backend="kernel", trips=trips, result="pass",
-           device_stride_bytes=getattr(host, "temporal_device_slot_stride", None), seconds=round(time.time() - start, 1))
+           device_stride_bytes=host.temporal_device_stride_bytes, seconds=round(time.time() - start, 1))

@@ -1,0 +1,134 @@
+"""MTP draft layers packed into the target's host pool, over strided device views.
+
+For EAGLE with NextN draft layers SGLang packs each draft's one-layer device pool into
+the target's host pool (``mtp_draft_device_pools``): host layers are the target's, then
+one per draft. Backups copy every host layer in one call; loads run per layer, the
+drafts' with ``is_draft=True`` against their own device pool. The target's and the
+drafts' device views need not share a stride (kvcached allocates each pool on its own,
+and a one-layer pool in kvcached's contiguous layout interleaves only its K and V),
+so every pool's layers are copied with their own stride and pointer table.
+
+On SGLang 0.5.20 without the series these trips fail for every strided case.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.kvcached_views import LAYOUTS, mha_pool, mla_pool
+from tests.support.roundtrip import RoundTrip, Rows, fill_random, host_layer_rows, pages_to_rows, poison
+
+LAYERS, HEADS, HEAD_DIM = 3, 2, 64
+KV_LORA_RANK, ROPE_DIM = 96, 32
+DEVICE_PAGES = 10
+TRIPS = 6
+# page_first_direct is refused for strided views (tests/cpu/test_refusals.py)
+HOST_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct")]
+# (target's kvcached layout, drafts' layout): strided with strided, and each beside a dense pool
+POOL_LAYOUTS = [("kvcached-contiguous", "kvcached-contiguous"), ("kvcached-contiguous", "native"),
+                ("native", "kvcached-contiguous"), ("kvcached-per-layer", "kvcached-contiguous"),
+                ("native", "native")]
+
+
+def cases(test):
+    for mark in (pytest.mark.parametrize("target_layout,draft_layout", POOL_LAYOUTS),
+                 pytest.mark.parametrize("host_layout,io_backend", HOST_CASES),
+                 pytest.mark.parametrize("drafts,page_size", [(1, 1), (2, 16)])):
+        test = mark(test)
+    return test
+
+
+def run(target, drafts, host, families, page_size, io_backend):
+    generator = torch.Generator().manual_seed(11)
+    used_pages = list(range(1, DEVICE_PAGES))
+    fill_random(families, pages_to_rows(used_pages, page_size), generator)
+    for buffer in (host.kv_buffer if isinstance(host.kv_buffer, (tuple, list)) else (host.kv_buffer,)):
+        poison(buffer, generator)
+
+    def load(h, d, layer):
+        if layer < target.layer_num:
+            host.load_to_device_per_layer(target, h, d, layer, io_backend)
+        else:
+            draft = drafts[layer - target.layer_num]
+            host.load_to_device_per_layer(draft, h, d, layer, io_backend, is_draft=True)
+
+    rt = RoundTrip(
+        families, used_pages, range(1, host.size // page_size), page_size, target.layer_num + len(drafts),
+        backup=lambda h, d: host.backup_from_device_all_layer(target, h, d, io_backend),
+        load=load, seed=7, device="cpu",
+    )
+    rt.run(TRIPS)
+
+
+@cases
+def test_mha_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
+                           page_size):
+    size = DEVICE_PAGES * page_size
+    target = mha_pool(target_layout, size=size, page_size=page_size, layers=LAYERS, heads=HEADS,
+                      head_dim=HEAD_DIM)
+    draft_pools = [mha_pool(draft_layout, size=size, page_size=page_size, layers=1, heads=HEADS,
+                            head_dim=HEAD_DIM) for _ in range(drafts)]
+    host = host_modules.mha.MHATokenToKVPoolHost(target, 2.0, 0, page_size, host_layout, pin_memory=False,
+                                                 device="cpu", mtp_draft_device_pools=draft_pools)
+    assert host.layer_num == LAYERS + drafts
+    pools = [target, *draft_pools]
+    families = [Rows("K", [v for p in pools for v in p.k_buffer], host_layer_rows(host, host.k_data_refs, 0)),
+                Rows("V", [v for p in pools for v in p.v_buffer], host_layer_rows(host, host.v_data_refs, 1))]
+    run(target, draft_pools, host, families, page_size, io_backend)
+
+
+@cases
+def test_mla_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
+                           page_size):
+    size = DEVICE_PAGES * page_size
+    target = mla_pool(target_layout, size=size, page_size=page_size, layers=LAYERS, kv_lora_rank=KV_LORA_RANK,
+                      qk_rope_head_dim=ROPE_DIM)
+    draft_pools = [mla_pool(draft_layout, size=size, page_size=page_size, layers=1,
+                            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM) for _ in range(drafts)]
+    host = host_modules.mla.MLATokenToKVPoolHost(target, 2.0, 0, page_size, host_layout, pin_memory=False,
+                                                 device="cpu", mtp_draft_device_pools=draft_pools)
+    pools = [target, *draft_pools]
+    families = [Rows("KV", [v for p in pools for v in p.kv_buffer], host_layer_rows(host, host.data_refs))]
+    run(target, draft_pools, host, families, page_size, io_backend)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, kind):
+    """The staged write-back gathers all host layers of a page at once and so takes one
+    stride; with strided drafts the pool backs up through the all-layer kernel, whose
+    host indices the controller must place on the device (can_use_write_back_jit off)."""
+    if kind == "mha":
+        make = lambda layers: mha_pool("kvcached-contiguous", size=4 * 16, page_size=16, layers=layers,
+                                       heads=HEADS, head_dim=HEAD_DIM)
+        cls = host_modules.mha.MHATokenToKVPoolHost
+    else:
+        make = lambda layers: mla_pool("kvcached-contiguous", size=4 * 16, page_size=16, layers=layers,
+                                       kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM)
+        cls = host_modules.mla.MLATokenToKVPoolHost
+    alone = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
+    packed = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu",
+                 mtp_draft_device_pools=[make(1)])
+    assert alone.can_use_write_back_jit and not packed.can_use_write_back_jit
+    assert [run.layer_num for run in packed.strided_device_layers] == [LAYERS, 1]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_page_first_without_the_staged_write_back(host_modules, monkeypatch, kind):
+    """Where the staged write-back kernel cannot be built, strided page_first backups run
+    through the all-layer JIT kernel into the page_first host rows instead of refusing."""
+    module = host_modules.mha if kind == "mha" else host_modules.mla
+    monkeypatch.setattr(module, "can_use_write_back_jit_kernel", lambda **kw: False)
+    page = 16
+    if kind == "mha":
+        target = mha_pool("kvcached-contiguous", size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
+                          heads=HEADS, head_dim=HEAD_DIM)
+        host = module.MHATokenToKVPoolHost(target, 2.0, 0, page, "page_first", pin_memory=False, device="cpu")
+        families = [Rows("K", target.k_buffer, host_layer_rows(host, host.k_data_refs, 0)),
+                    Rows("V", target.v_buffer, host_layer_rows(host, host.v_data_refs, 1))]
+    else:
+        target = mla_pool("kvcached-contiguous", size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
+                          kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM)
+        host = module.MLATokenToKVPoolHost(target, 2.0, 0, page, "page_first", pin_memory=False, device="cpu")
+        families = [Rows("KV", target.kv_buffer, host_layer_rows(host, host.data_refs))]
+    assert not host.can_use_write_back_jit
+    run(target, [], host, families, page, "kernel")

@@ -1,9 +1,12 @@
 """CPU tier: the real SGLang host-pool classes of the tree on PYTHONPATH (the patched
-one under `make test`), over device pools with kvcached's geometry, with the transfer
-kernels replaced by exact emulators (tests/support/emulators.py)."""
+one under `make test`), over device pools with kvcached's geometry, with only the
+compiled kernels emulated (tests/support/emulators.py): SGLang's Python kernel
+wrappers and JIT gates run as they are."""
+from types import SimpleNamespace
+
 import pytest
 
-from tests.support import emulators
+from tests.support.emulators import install_kernel_emulation
 
 
 def pytest_configure(config):
@@ -15,13 +18,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture
-def host_modules(monkeypatch):
+def kernel_emulation():
+    """The emulated kernels, installed for one test (its recorder: builds and launches)."""
+    undo = install_kernel_emulation()
+    yield undo
+    undo()
+
+
+@pytest.fixture
+def host_modules(kernel_emulation):
     from sglang.srt.mem_cache.pool_host import mamba, mha, mla
 
-    emulators.install(monkeypatch, mha, mla, mamba)
-    return SimpleModules(mha=mha, mla=mla, mamba=mamba)
-
-
-class SimpleModules:
-    def __init__(self, **modules):
-        self.__dict__.update(modules)
+    return SimpleNamespace(mha=mha, mla=mla, mamba=mamba, emulation=kernel_emulation)

@@ -56,24 +56,10 @@ def sglang_0_5_20_unroll(element_size):
     return 4 if element_size <= 512 else 2 if element_size <= 1024 else 1
 
 
-class LaunchRecorder:
-    """Stands in for the compiled JIT module: records the unroll each launch was built with."""
-
-    def __init__(self):
-        self.built, self.launched = [], []
-
-    def module(self, *, element_size, unroll, block_quota):
-        self.built.append(unroll)
-        launched = self.launched
-        return type("Module", (), {name: staticmethod(lambda *args, u=unroll: launched.append(u))
-                                   for name in ("launch_one", "launch_all", "launch_one_mla", "launch_all_mla")})
-
-
 @pytest.fixture
-def recorder(hicache, monkeypatch):
-    rec = LaunchRecorder()
-    monkeypatch.setattr(hicache, "_jit_hicache_module", rec.module)
-    return rec
+def launched(kernel_emulation, hicache):
+    """The unroll of each launch of the emulated JIT kernels (the module's template argument)."""
+    return lambda: [launch.template[1] for launch in kernel_emulation.recorder.launches]
 
 
 @pytest.mark.parametrize("element_size", ROW_SIZES)
@@ -87,6 +73,12 @@ def test_a_batch_never_gets_fewer_blocks_than_in_sglang(hicache, element_size):
             assert unroll == wide, num_elements  # the wider lanes wherever they cost no block
 
 
+def layer_tables(layers, rows, row_bytes):
+    """Pointer tables over real per-layer buffers: the kernels copy through them."""
+    buffers = [torch.zeros(rows, row_bytes, dtype=torch.uint8) for _ in range(layers)]
+    return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+
+
 def one_layer_mla(hicache, n):
     rows = torch.zeros(256, 1, 576, dtype=torch.bfloat16)
     index = torch.arange(n) % 256
@@ -95,32 +87,49 @@ def one_layer_mla(hicache, n):
 
 
 def all_layer_mla(hicache, n):
-    index = torch.arange(n)
-    ptrs = torch.zeros(27, dtype=torch.uint64)
-    hicache.transfer_hicache_all_layer_mla(ptr_dst=ptrs, indices_dst=index, ptr_src=ptrs, indices_src=index,
-                                           cache_src_stride_bytes=1152 * 27, cache_dst_stride_bytes=1152,
+    index = torch.arange(n) % 256
+    src, src_ptrs = layer_tables(2, 256, 1152)
+    dst, dst_ptrs = layer_tables(2, 256, 1152)
+    hicache.transfer_hicache_all_layer_mla(ptr_dst=dst_ptrs, indices_dst=index, ptr_src=src_ptrs, indices_src=index,
+                                           cache_src_stride_bytes=1152, cache_dst_stride_bytes=1152,
                                            element_size=1152)
 
 
 @pytest.mark.parametrize("transfer", [one_layer_mla, all_layer_mla])
-def test_mla_transfers_pick_the_unroll_by_batch(hicache, recorder, transfer):
+def test_mla_transfers_pick_the_unroll_by_batch(hicache, launched, transfer):
     transfer(hicache, 64)  # one page: two blocks of 32 workers, as in SGLang 0.5.20
     transfer(hicache, 4096)  # 72 bytes per lane
-    assert recorder.launched == [1, 2]
+    assert launched() == [1, 2]
 
 
-def test_mha_transfers_keep_sglangs_unroll_at_every_batch(hicache, recorder):
+def test_mha_transfers_keep_sglangs_unroll_at_every_batch(hicache, launched):
     rows = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
+    _, src = layer_tables(2, 256, 1024)
+    _, dst = layer_tables(2, 256, 1024)
     for n in (64, 4096):
         index = torch.arange(n) % 256
         hicache.transfer_hicache_one_layer(rows, rows, index, rows.clone(), rows.clone(), index, element_dim=512)
-        ptrs = torch.zeros(28, dtype=torch.uint64)
-        hicache.transfer_hicache_all_layer(ptrs, ptrs, index, ptrs, ptrs, index,
+        hicache.transfer_hicache_all_layer(dst, dst, index, src, src, index,
                                            kv_cache_src_stride_bytes=1024, kv_cache_dst_stride_bytes=1024)
-    assert recorder.launched == [2, 2, 2, 2]
+    assert launched() == [2, 2, 2, 2]
 
 
 @pytest.mark.parametrize("element_size,unrolls", [(1152, [1, 2]), (1024, [2]), (640, [2, 4]), (4096, [1])])
-def test_every_unroll_a_batch_may_pick_is_built_at_start_up(hicache, recorder, element_size, unrolls):
+def test_every_unroll_a_batch_may_pick_is_built_at_start_up(hicache, kernel_emulation, element_size, unrolls):
     assert hicache.can_use_hicache_jit_kernel(element_size=element_size)
-    assert sorted(recorder.built) == unrolls
+    built = [args for name, args in kernel_emulation.recorder.builds if name == "hicache"]
+    assert sorted(int(unroll) for _, unroll, _, _ in built) == unrolls
+    # element size, unroll, block quota, and the block size the launch geometry assumes
+    assert {(int(size), int(quota), int(threads)) for size, _, quota, threads in built} == {(element_size, 2, 1024)}
+
+
+@pytest.mark.parametrize("element_size", [512, 1152, 2048])
+def test_launches_get_the_blocks_sglang_gave_them(hicache, kernel_emulation, element_size):
+    """The grid each launch gets (kernel arithmetic, emulated) never shrinks below 0.5.20's."""
+    rows = torch.zeros(4096, element_size // 2, dtype=torch.bfloat16)
+    for n in (1, 32, 64, 65, 128, 4096):
+        index = torch.arange(n)
+        hicache.transfer_hicache_one_layer_mla(cache_dst=rows, indices_dst=index, cache_src=rows.clone(),
+                                               indices_src=index)
+        launch = kernel_emulation.recorder.launches[-1]
+        assert launch.blocks >= launched_blocks(n, sglang_0_5_20_unroll(element_size)), (n, launch)

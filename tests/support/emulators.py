@@ -1,171 +1,149 @@
-"""Exact CPU stand-ins for SGLang's HiCache transfer kernels, for the CPU tier.
+"""Run SGLang's HiCache copy paths on CPU, emulating only the compiled kernels.
 
-Each reproduces its kernel's address arithmetic, not its intent: the JIT all-layer and
-staged kernels and the Mamba kernels copy raw bytes at `table[layer] + row * stride`
-(ctypes.memmove on CPU memory), so a wrong table or stride copies wrong bytes here
-exactly as on a GPU. The one-layer kernel and the AOT `direct` kernels go through the
-tensors' own strides (`.view(-1, dim)` and `Tensor.copy_`), as the real ones do.
-The sources these mirror are named beside each function.
+``install_kernel_emulation()`` patches, process-wide, the two places where SGLang's
+Python reaches compiled code, and returns a callable that undoes it:
+
+* JIT kernels: ``load_jit`` inside SGLang's wrapper modules
+  (kernels/ops/kvcache/hicache.py, kernels/ops/mamba/transfer_mamba.py) becomes
+  tests/support/emulated_jit.py's loader. The wrappers, their argument handling and
+  the gates ``can_use_hicache_jit_kernel`` / ``can_use_write_back_jit_kernel`` (which
+  build a module to decide) run unchanged; the wrappers' cached modules are emptied on
+  install and on undo, so no emulated module outlives the emulation.
+* AOT kernels (sglang-kernel, not in SGLang's wheel): every host-pool module that
+  imports ``sgl_kernel.kvcacheio`` names under ``if _is_cuda or _is_hip:`` gets
+  tests/support/emulated_aot.py's functions under those names, and the other names
+  imported in those blocks (the Mamba JIT wrappers) are bound to SGLang's real ones.
+
+Flags: those same host-pool modules get ``_is_cuda = True``. Without CUDA they
+would pick no kernel at all (their ``_is_cuda or _is_hip`` checks decide which copy
+functions exist and whether the JIT gates are asked), and on a GPU machine this is
+what they see. Nothing else is flipped: pinning and streams stay CPU ones.
+
+Both trees are served: the JIT emulation reads each kernel's signature from the
+.cuh files of the tree that is imported (emulated_jit.py), so SGLang 0.5.20 and the
+patched tree each get their own kernels.
+
+Used by the CPU tier through the ``kernel_emulation`` / ``host_modules`` fixtures
+(tests/cpu/conftest.py), and from plain scripts::
+
+    from tests.support.emulators import install_kernel_emulation
+    undo = install_kernel_emulation()
+    ...
+    undo()
 """
 from __future__ import annotations
 
-import ctypes
+import ast
+import importlib
+import inspect
+import pkgutil
 
-import torch
+from tests.support.emulated_aot import KVCACHEIO
+from tests.support.emulated_jit import Recorder, make_loader
+from tests.support.emulated_memory import BOOK, KernelError
 
-
-def _memmove(dst: int, src: int, nbytes: int):
-    ctypes.memmove(dst, src, nbytes)
-
-
-def _ints(indices: torch.Tensor) -> list[int]:
-    return indices.to("cpu", torch.int64).tolist()
-
-
-# kernels/jit/csrc/kvcacheio/hicache.cuh run_one / run_one_mla
-def transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
-                               *, element_dim=None, unroll=None, block_quota=None):
-    element_dim = element_dim or k_cache_dst.size(-1)
-    for dst, src in ((k_cache_dst, k_cache_src), (v_cache_dst, v_cache_src)):
-        transfer_hicache_one_layer_mla(dst, indices_dst, src, indices_src, element_dim=element_dim)
+WRAPPER_MODULES = ("sglang.kernels.ops.kvcache.hicache", "sglang.kernels.ops.mamba.transfer_mamba")
+HOST_PACKAGE = "sglang.srt.mem_cache.pool_host"
+EXTRA_HOST_MODULES = ("sglang.srt.mem_cache.memory_pool_host",)
+AOT_MODULE = "sgl_kernel.kvcacheio"
+_MISSING = object()
 
 
-def transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src,
-                                   *, element_dim=None, unroll=None, block_quota=None):
-    element_dim = element_dim or cache_dst.size(-1)
-    dst = cache_dst.view(-1, element_dim)  # raises for views the kernel cannot take
-    src = cache_src.view(-1, element_dim)
-    dst[indices_dst.cpu()] = src[indices_src.cpu()]
+class KernelEmulation:
+    """The installed emulation; call it to undo. ``recorder`` holds builds and launches."""
+
+    def __init__(self):
+        self.recorder = Recorder()
+        self.failing_builds: set[str] = set()
+        self.host_modules: list = []
+        self._saved: list = []
+        self._active = False
+
+    def set(self, obj, name, value):
+        self._saved.append((obj, name, getattr(obj, name, _MISSING)))
+        setattr(obj, name, value)
+
+    def fail_builds(self, *module_names: str):
+        """Make the loader fail for these JIT modules (e.g. "hicache"), as a failed compile does."""
+        self.failing_builds.update(module_names)
+
+    def __call__(self):
+        if not self._active:
+            return
+        for obj, name, old in reversed(self._saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self._saved.clear()
+        BOOK.uninstall()
+        self._active = False
 
 
-# kernels/jit/csrc/kvcacheio/hicache.cuh run_all / run_all_mla: ptr[l] + index * stride
-def transfer_hicache_all_layer(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src, indices_src,
-                               *, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size=None,
-                               unroll=None, block_quota=None):
-    for dst, src in ((k_ptr_dst, k_ptr_src), (v_ptr_dst, v_ptr_src)):
-        transfer_hicache_all_layer_mla(dst, indices_dst, src, indices_src,
-                                       cache_src_stride_bytes=kv_cache_src_stride_bytes,
-                                       cache_dst_stride_bytes=kv_cache_dst_stride_bytes,
-                                       element_size=element_size)
+def install_kernel_emulation() -> KernelEmulation:
+    if BOOK.installed:
+        raise KernelError("the kernel emulation is already installed in this process: undo it first")
+    emulation = KernelEmulation()
+    try:
+        BOOK.install()
+        emulation._active = True
+        _patch_loaders(emulation)
+        _patch_host_modules(emulation)
+    except BaseException:
+        emulation()
+        raise
+    return emulation
 
 
-def transfer_hicache_all_layer_mla(ptr_dst, indices_dst, ptr_src, indices_src, *, cache_src_stride_bytes,
-                                   cache_dst_stride_bytes, element_size=None, unroll=None, block_quota=None):
-    if element_size is None:
-        assert cache_dst_stride_bytes == cache_src_stride_bytes
-        element_size = cache_dst_stride_bytes
-    dst_ptrs, src_ptrs = _ints(ptr_dst), _ints(ptr_src)
-    for d_row, s_row in zip(_ints(indices_dst), _ints(indices_src)):
-        for d_base, s_base in zip(dst_ptrs, src_ptrs):
-            _memmove(d_base + d_row * cache_dst_stride_bytes, s_base + s_row * cache_src_stride_bytes, element_size)
+def _patch_loaders(emulation: KernelEmulation):
+    from sglang.kernels.jit.utils import KERNEL_PATH, cache_once
+
+    load = make_loader(KERNEL_PATH, emulation.recorder)
+
+    def load_jit(*args, **kwargs):
+        if args and args[0] in emulation.failing_builds:
+            raise KernelError(f"JIT build of {args[0]} failed (made to fail by the test)")
+        return load(*args, **kwargs)
+
+    for name in WRAPPER_MODULES:
+        module = importlib.import_module(name)
+        emulation.set(module, "load_jit", load_jit)
+        for attr, value in list(vars(module).items()):
+            # The @cache_once module factories: a fresh, empty cache for the emulation.
+            if attr.startswith("_jit_") and hasattr(value, "__wrapped__"):
+                emulation.set(module, attr, cache_once(value.__wrapped__))
 
 
-# kernels/ops/kvcache/hicache.py staged wrappers + relayout.cuh + staged_write_back.cuh:
-# token t of page p of layer l is read at ptr[l] + (src_indices[p * page] + t) * src_stride
-# (patched; element_size before), then each page is copied to host row dst_indices[p * page].
-def _staged(pairs, src_indices, dst_indices, page_size, src_stride_bytes):
-    src_pages = _ints(src_indices[::page_size])
-    dst_rows = _ints(dst_indices)
-    assert dst_indices.device.type == "cpu", "the staged kernel takes host indices on the CPU"
-    for ptr_src, dst in pairs:
-        layers = dst.shape[1]
-        row = dst[0, 0].numel() * dst.element_size()
-        stride = src_stride_bytes or row
-        srcs = _ints(ptr_src)
-        assert len(srcs) == layers
-        for p, src_page in enumerate(src_pages):
-            host_row0 = dst_rows[p * page_size]
-            for t in range(page_size):
-                for layer in range(layers):
-                    d_addr = dst[host_row0 + t, layer].data_ptr()
-                    _memmove(d_addr, srcs[layer] + (src_page + t) * stride, row)
+def host_pool_modules():
+    package = importlib.import_module(HOST_PACKAGE)
+    names = [f"{HOST_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__)]
+    return [importlib.import_module(name) for name in (*names, *EXTRA_HOST_MODULES)]
 
 
-def transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v,
-                                            dst_k, dst_v, *, page_size, src_stride_bytes=None, element_size=None,
-                                            unroll=None, block_quota=None):
-    _staged(((k_ptr_src, dst_k), (v_ptr_src, dst_v)), src_indices, dst_indices, page_size, src_stride_bytes)
+def _cuda_only_imports(module) -> list[ast.ImportFrom]:
+    """The `from X import ...` statements under a top-level `if _is_cuda ...:`."""
+    found = []
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.If) and "_is_cuda" in {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}:
+            found += [n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.ImportFrom)]
+    return found
 
 
-def transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst, *, page_size,
-                                                src_stride_bytes=None, element_size=None, unroll=None,
-                                                block_quota=None):
-    _staged(((ptr_src, dst),), src_indices, dst_indices, page_size, src_stride_bytes)
-
-
-# kernels/jit/csrc/kvcacheio/transfer_mamba.cuh (patched; slot stride = item_size before)
-def transfer_kv_mamba_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim,
-                            num_warps_per_item=32, dst_slot_stride=None):
-    assert item_size % 16 == 0, "transfer_mamba: item_size must be 16-byte aligned (uint4)"
-    assert src_indices.device.type == dst_indices.device.type
-    stride = dst_slot_stride or item_size
-    for s_row, d_row in zip(_ints(src_indices), _ints(dst_indices)):
-        _memmove(dst.data_ptr() + d_row * stride,
-                 src.data_ptr() + s_row * src_layout_dim + layer_id * item_size, item_size)
-
-
-def transfer_kv_mamba_lf_pf(src_ptrs, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers,
-                            num_warps_per_item=32, src_slot_stride=None):
-    assert item_size % 16 == 0, "transfer_mamba: item_size must be 16-byte aligned (uint4)"
-    assert src_indices.device.type == dst_indices.device.type
-    stride = src_slot_stride or item_size
-    layers = _ints(src_ptrs)
-    assert len(layers) == num_layers
-    for s_row, d_row in zip(_ints(src_indices), _ints(dst_indices)):
-        for layer, base in enumerate(layers):
-            _memmove(dst.data_ptr() + d_row * dst_layout_dim + layer * item_size,
-                     base + s_row * stride, item_size)
-
-
-# sgl_kernel.kvcacheio direct kernels (transfer.cu): Tensor.copy_ over index runs.
-def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
-    s, d = src_indices.cpu(), dst_indices.cpu()
-    for src, dst in zip(src_layers, dst_layers):
-        dst[d] = src[s]
-
-
-def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
-    layers = len(src_ptrs) // len(dst_ptrs)
-    s, d = _ints(src_indices), _ints(dst_indices)
-    for group, dst in enumerate(dst_ptrs):
-        for i in range(0, len(s), page_size):
-            for layer in range(layers):
-                src = src_ptrs[group * layers + layer]
-                dst[d[i] // page_size][layer].copy_(src[s[i]: s[i] + page_size].reshape(dst[0][0].shape))
-
-
-def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
-    s, d = _ints(src_indices), _ints(dst_indices)
-    for src, dst in zip(src_ptrs, dst_ptrs):
-        for i in range(0, len(s), page_size):
-            dst[d[i]: d[i] + page_size].copy_(src[s[i] // page_size][layer_id].reshape(dst[d[i]: d[i] + page_size].shape))
-
-
-def install(monkeypatch, *modules):
-    """Point every transfer name the host-pool modules use at these emulators.
-
-    On a machine without CUDA, SGLang never imports the sgl_kernel names (hence
-    raising=False) and cannot compile the JIT ones; it also reports no CUDA, so the
-    host pools are told they run on CUDA, which is what they would see on a GPU.
-    """
-    names = {
-        "jit_transfer_hicache_one_layer": transfer_hicache_one_layer,
-        "jit_transfer_hicache_one_layer_mla": transfer_hicache_one_layer_mla,
-        "jit_transfer_hicache_all_layer": transfer_hicache_all_layer,
-        "jit_transfer_hicache_all_layer_mla": transfer_hicache_all_layer_mla,
-        "jit_transfer_hicache_all_layer_staged_lf_pf": transfer_hicache_all_layer_staged_lf_pf,
-        "jit_transfer_hicache_all_layer_mla_staged_lf_pf": transfer_hicache_all_layer_mla_staged_lf_pf,
-        "transfer_kv_mamba_pf_lf": transfer_kv_mamba_pf_lf,
-        "transfer_kv_mamba_lf_pf": transfer_kv_mamba_lf_pf,
-        "transfer_kv_direct": transfer_kv_direct,
-        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
-        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
-    }
-    for module in modules:
-        for name, fn in names.items():
-            monkeypatch.setattr(module, name, fn, raising=False)
-        monkeypatch.setattr(module, "_is_cuda", True, raising=False)
-        for gate in ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel"):
-            if hasattr(module, gate):
-                monkeypatch.setattr(module, gate, lambda **kwargs: True)
-
+def _patch_host_modules(emulation: KernelEmulation):
+    for module in host_pool_modules():
+        imports = _cuda_only_imports(module)
+        if not imports:
+            continue
+        for node in imports:
+            for alias in node.names:
+                if node.module == AOT_MODULE:
+                    if alias.name not in KVCACHEIO:
+                        raise KernelError(f"{module.__name__} imports {AOT_MODULE}.{alias.name}, which "
+                                          "tests/support/emulated_aot.py does not emulate")
+                    value = KVCACHEIO[alias.name]
+                else:
+                    value = getattr(importlib.import_module(node.module), alias.name)
+                emulation.set(module, alias.asname or alias.name, value)
+        if hasattr(module, "_is_cuda"):
+            emulation.set(module, "_is_cuda", True)
+        emulation.host_modules.append(module)

@@ -1,0 +1,63 @@
+"""Run the differential cases on a pristine and a patched SGLang tree, side by side, and compare.
+
+    python -m tests.support.differential.pair --pristine DIR --patched DIR --out OUTDIR \
+        [--device cuda --real-kernels] [--case GLOB]
+
+DIR is a folder holding the `sglang/` package (an upstream checkout's python/, or an
+installed site folder). Each tree's runner gets PYTHONPATH=DIR:<this repo>:$PYTHONPATH,
+so DIR's sglang shadows any other, and a JIT kernel cache of its own (the trees' kernel
+sources differ; one cache each also keeps two builds of one kernel from racing).
+Writes OUTDIR/pristine.json, patched.json and the runners' logs; prints the comparison;
+exits 1 when a case differs. The CPU tier's test_differential.py calls run_pair.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.differential import compare
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_pair(trees: dict[str, Path], out: Path, runner_args: list[str] = ()) -> dict[str, dict]:
+    """Run the runner once per tree, at the same time; return their outcome documents."""
+    out.mkdir(parents=True, exist_ok=True)
+    jit_cache = os.environ.get("SGLANG_JIT_CACHE_DIR", str(out / "jit-cache"))
+    procs = {}
+    for name, tree in trees.items():
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                   # One thread each: the two runners share the machine's cores.
+                   OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(ROOT), os.environ.get("PYTHONPATH")])),
+                   SGLANG_JIT_CACHE_DIR=os.path.join(jit_cache, name))
+        log = open(out / f"{name}.log", "w")
+        procs[name] = (log, subprocess.Popen(
+            [sys.executable, "-m", "tests.support.differential.runner", "--out", str(out / f"{name}.json"),
+             *runner_args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    documents = {}
+    for name, (log, proc) in procs.items():
+        proc.wait()
+        log.close()
+        if proc.returncode != 0:
+            raise RuntimeError(f"the runner failed on {trees[name]}:\n{(out / f'{name}.log').read_text()[-4000:]}")
+        documents[name] = json.loads((out / f"{name}.json").read_text())
+    return documents
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pristine", required=True, type=Path, help="folder holding SGLang 0.5.20's sglang/")
+    parser.add_argument("--patched", required=True, type=Path, help="folder holding the patched sglang/")
+    parser.add_argument("--out", required=True, type=Path)
+    args, runner_args = parser.parse_known_args(argv)
+    run_pair({"pristine": args.pristine.resolve(), "patched": args.patched.resolve()}, args.out, runner_args)
+    compare.main([str(args.out / "pristine.json"), str(args.out / "patched.json")])
+
+
+if __name__ == "__main__":
+    main()

@@ -204,3 +204,15 @@ class ControllerRoundTrip:
         for _ in range(trips):
             self.trip()
         self.check_untouched()
+
+
+def run_on_cpu(monkeypatch):
+    """The controller on a machine without CUDA: torch.cpu's streams and events (copies
+    run eagerly), and no cudaHostRegister of host pools."""
+    from sglang.srt.managers import cache_controller
+    from sglang.srt.mem_cache import l2_transfer
+    from sglang.srt.mem_cache.pool_host import common
+
+    for module in (cache_controller, l2_transfer):
+        monkeypatch.setattr(module, "device_module", torch.cpu)
+    monkeypatch.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)

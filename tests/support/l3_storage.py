@@ -1,0 +1,291 @@
+"""HiCache's third tier (L3) below SGLang's controller: a real Mooncake master, and trips
+that go device -> host -> storage -> (host evicted) -> storage -> host -> device.
+
+The storage side is SGLang's own: the HybridCacheController's storage threads (backup,
+prefetch query, prefetch I/O, ack sync) and the backend SGLang builds for
+`--hicache-storage-backend` (MooncakeStore over mooncake-transfer-engine, or HiCacheFile).
+A trip drives the controller the way UnifiedRadixCache does:
+
+  write(device rows) + start_writing            -> host rows         (L1 -> L2)
+  write_storage(host rows, tokens, page hashes) -> backup thread      (L2 -> L3)
+  evict_host(host rows); those rows overwritten                        (L2 gone)
+  prefetch(tokens) -> hit query; host rows allocated; prefetch_buffer (L3 -> L2)
+  load(host rows) + start_loading               -> new device rows   (L2 -> L1)
+
+and checks content as ControllerRoundTrip does: the rows that come back equal the
+originals byte for byte, and no other device or host byte changed.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tests.support.controller import ControllerRoundTrip
+from tests.support.roundtrip import as_bytes, pages_to_rows
+
+# Every wait on a storage thread or on the master is bounded; a hang fails the test.
+THREAD_WAIT_S = 30
+MASTER_START_S = 30
+MASTER_STOP_S = 10
+# A port found free can be taken by another process before the master binds it: the
+# master then exits, and is started again on new ports.
+MASTER_START_TRIES = 3
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports, free now. All n sockets are held until each has its
+    port: the kernel may hand a just-closed port out again, and a master given the same
+    port twice fails to start."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """mooncake_master with its HTTP metadata server, on loopback ports chosen here.
+
+    The binary is the one mooncake-transfer-engine ships inside its package (the
+    `mooncake_master` console script only execs it). It runs in its own session and is
+    stopped by its pid: SIGTERM, then SIGKILL if it has not exited in MASTER_STOP_S.
+    """
+
+    def __init__(self, log_path: Path):
+        import mooncake
+
+        self.binary = Path(mooncake.__file__).parent / "mooncake_master"
+        self.log_path = log_path
+        self.proc = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def extra_config(self, tag: str) -> dict:
+        """MooncakeStore's settings (--hicache-storage-backend-extra-config) for this master:
+        TCP over loopback, a 64 MiB segment, objects namespaced by `tag`."""
+        return {
+            "master_server_address": self.master_address,
+            "metadata_server": self.metadata_server,
+            "local_hostname": "127.0.0.1",
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": 64 << 20,
+            "check_server": False,
+            "extra_backend_tag": tag,
+        }
+
+    def start(self):
+        for _ in range(MASTER_START_TRIES):
+            if self._start_once():
+                return
+        raise RuntimeError(f"mooncake_master exited at start {MASTER_START_TRIES} times; last log:\n"
+                           f"{self.log_path.read_text()[-2000:]}")
+
+    def _start_once(self) -> bool:
+        """Start on fresh ports; False if the master exited before serving (a port taken)."""
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [str(self.binary), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                 f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+                 f"--metrics_port={self.metrics_port}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + MASTER_START_S
+        # Up once all three serve: the admin (metrics) server starts last, about a second
+        # after the others, and the master exits if it cannot bind.
+        while not all(_accepts(port) for port in (self.rpc_port, self.http_port, self.metrics_port)):
+            if self.proc.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not serve on {self.master_address} within "
+                                   f"{MASTER_START_S} s:\n{self.log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+        return True
+
+    def stop(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(MASTER_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(MASTER_STOP_S)
+
+    @contextmanager
+    def running(self):
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+
+@contextmanager
+def single_rank():
+    """Rank 0 of one (TP and PP), as a one-GPU scheduler sees it. The storage config reads
+    these ranks from the process groups, which a test process does not build."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0, pp_rank=0):
+        yield
+
+
+def storage_options():
+    """What UnifiedRadixCache.init_hicache hands the stack builders for the published
+    --hicache-storage-backend flags (backend, parsed extra config, prefetch threshold)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.runtime_context import get_memory, get_serving
+
+    extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(
+        get_memory().hicache_storage_backend_extra_config)
+    return dict(storage_backend=get_memory().hicache_storage_backend, storage_backend_extra_config=extra,
+                prefetch_threshold=threshold, model_name=get_serving().served_model_name)
+
+
+def sglang_mla_pool(pool):
+    """The MLA stand-in as an MLATokenToKVPool, as kvcached's ElasticMLATokenToKVPool is
+    (a subclass that skips the parent's buffer allocation). The controller tells MLA from
+    MHA by that type (is_mla_model), and MooncakeStore keys and packs pages by it."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    class ElasticLikeMLAPool(MLATokenToKVPool):
+        def __init__(self, attributes):
+            self.__dict__.update(attributes)
+
+    return ElasticLikeMLAPool(vars(pool))
+
+
+def detach_storage(controller):
+    """Stop the controller's storage threads (bounded: each polls its queue every second)
+    and close the backend's client before its server goes away."""
+    backend = controller.storage_backend
+    controller.detach_storage_backend()
+    client = getattr(backend, "store", None)
+    if client is not None and hasattr(client, "close"):
+        client.close()
+
+
+def _get(q: queue.Queue, what: str):
+    try:
+        return q.get(timeout=THREAD_WAIT_S)
+    except queue.Empty:
+        raise AssertionError(f"no {what} from the storage threads within {THREAD_WAIT_S} s") from None
+
+
+class StorageRoundTrip(ControllerRoundTrip):
+    """Trips through the controller's L2 and L3 paths (KV pools; no extra pools)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trips_done = 0
+        self.token_rng = torch.Generator().manual_seed(1234)
+
+    def _tokens(self, n_tokens):
+        # Distinct token ids per trip, so every trip's page hashes (storage keys) are new.
+        return torch.randint(0, 1 << 30, (n_tokens,), generator=self.token_rng).tolist()
+
+    def _evict_and_overwrite(self, host_rows):
+        """Free the host rows and overwrite them through the host pool's own page writer,
+        so that a prefetch that did not read storage leaves wrong bytes behind."""
+        host_pool = self.controller.mem_pool_host.anchor_entry.host_pool
+        self.controller.evict_host(host_rows)
+        for start in host_rows[:: self.page_size].tolist():
+            page = host_pool.get_dummy_flat_data_page()
+            page.view(torch.uint8).copy_(torch.randint(0, 256, page.view(torch.uint8).shape, dtype=torch.uint8,
+                                                       generator=self.token_rng))
+            host_pool.set_from_flat_data_page(start, page)
+        for family, host_model in zip(self.kv_families, self.kv_model.host):
+            for layer in range(len(family.device)):
+                host_model[layer][host_rows.cpu()] = as_bytes(family.host(layer)[host_rows.cpu()])
+
+    def _backup_to_storage(self, host_rows, tokens, hashes):
+        self.controller.write_storage(host_rows, tokens, hash_value=hashes)
+        done = _get(self.controller.ack_backup_queue, "backup ack")
+        assert done.completed_tokens == len(tokens), (
+            f"storage backup wrote {done.completed_tokens} of {len(tokens)} tokens")
+
+    def _prefetch_from_storage(self, tokens):
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        handle = CacheRequestHandle(rid=f"trip{self.trips_done}", attempt_id=0)
+        operation = self.controller.prefetch(handle, tokens)
+        hit = _get(self.controller.prefetch_hit_queue, "prefetch hit query")
+        assert hit is operation
+        assert hit.storage_hit_count == len(tokens), (
+            f"storage reports {hit.storage_hit_count} of {len(tokens)} tokens stored")
+        # What the radix cache requires before it fetches (smaller hits are revoked).
+        assert hit.storage_hit_count >= self.controller.prefetch_threshold
+        host_rows = self.controller.mem_pool_host.alloc(len(tokens))
+        assert host_rows is not None, "host pool full"
+        operation.host_indices = host_rows
+        self.controller.prefetch_buffer.put(operation)
+        completed = 0
+        while True:
+            ack = _get(self.controller.ack_prefetch_queue, "prefetch ack")
+            if ack.completed_tokens is not None:
+                completed = ack.completed_tokens
+            if ack.completed_req:
+                break
+        assert completed == len(tokens), f"prefetch read {completed} of {len(tokens)} tokens from storage"
+        return host_rows
+
+    def trip(self):
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        n = self.rng.randint(1, self.max_pages)
+        src = pages_to_rows(self.rng.sample(self.data_pages, n), self.page_size).to(self.device)
+        tokens = self._tokens(len(src))
+        hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
+        self.trips_done += 1
+
+        host = self.controller.write(src)
+        assert host is not None, "host pool full"
+        self.controller.start_writing()
+        self._wait(self.controller.ack_write_queue)
+        self._check_backup(self.kv_families, self.kv_model, host, src)
+
+        self._backup_to_storage(host, tokens, hashes)
+        self._evict_and_overwrite(host)
+        fetched = self._prefetch_from_storage(tokens)
+        self._check_backup(self.kv_families, self.kv_model, fetched, src)
+
+        dst = self.controller.load(fetched)
+        assert dst is not None, "device pool full"
+        self.controller.start_loading()
+        self._wait(self.controller.ack_load_queue)
+        self._check_load(self.kv_families, self.kv_model, src, dst)
+        self.controller.evict_host(fetched)
+        self.controller.mem_pool_device_allocator.free(dst)
+
+
+def file_storage_dir(monkeypatch, path: Path):
+    """Point SGLang's file backend (HiCacheFile) at `path`."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", os.fspath(path))

@@ -1,252 +1,408 @@
 #!/usr/bin/env python3
-"""Model-level check: native SGLang vs the patched image with kvcached, same GPU, same flags.
+"""Model-level check: SGLang 0.5.20's real server, native vs kvcached, every pool kind.
 
-    python3 ci/e2e/compare_servers.py --case qwen2.5-0.5b [--layout default|layer_first]
-        [--launcher docker|local] [--native-image IMG] [--patched-image IMG] [--out report.json]
-    python3 ci/e2e/compare_servers.py --case tiny-dummy --launcher local     (no weights)
+    python3 ci/e2e/compare_servers.py --pool all --launcher local \\
+        --pristine-path P --patched-path Q [--gpus 0,1] [--jobs 6] [--l3 also] \\
+        [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
+    python3 ci/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
+    python3 ci/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
 
-For each case it starts native SGLang 0.5.20 (kvcached off), runs the passes, stops it,
-then starts the patched build with kvcached on (ENABLE_KVCACHED=true,
-KVCACHED_MAX_CACHED_TOKENS=-1 so kvcached evicts no more than native would) and runs the
-same passes, then compares:
+Each row of the matrix (e2e_matrix.build_rows) is one server: a model case, a host
+layout (`--hicache-mem-layout`), L3 off or the file store, and a variant: `native`
+(SGLang 0.5.20 as released, kvcached off: the oracle), `elastic-<layout>` (the series,
+kvcached on in that layout), `pristine-<layout>` (SGLang 0.5.20 as released with
+kvcached on: the failure the series fixes, expected and recorded, not an error). Every
+server gets SGLang's default HiCache flags plus the row's, the same traffic
+(e2e_matrix.traffic: a prompt set with shared and distinct prefixes, filler that pushes
+it out of the device pool (L3: out of host memory too), the set again), and is judged
+against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
+(tolerance --logprob-tol, default 0: bit-identical), device/host/storage hit tokens per
+prompt, and kvcached's allocation line in the log. Passes never use /flush_cache: in
+SGLang 0.5.20 it also clears the host pool, so nothing would load from host.
 
-  * greedy output tokens equal, prompt by prompt;
-  * top-5 logprobs of every output position within --logprob-tol (same top token);
-  * host-cache hit tokens per prompt on the second pass equal native's, and > 0.
-
-Passes: pass 1 sends the prompt set (HiCache writes it through to host); an eviction
-pass sends distinct filler prompts totalling more tokens than the device pool holds
-(the server runs with a small --max-total-tokens), so the first set leaves the device;
-pass 2 sends the prompt set again, and its prefixes come back from host. (Not
-/flush_cache: in SGLang 0.5.20 it resets the whole tree *and* clears the host pool,
-UnifiedRadixCache._reset_full, so nothing would load from host afterwards.)
-
-Prompts are token ids (input_ids) with --skip-tokenizer-init, so the dummy-weight case
-needs no tokenizer and no download. Not run on our machines (no GPU server there): the
-argument building, the flags (against SGLang's own parser) and the comparison are tested
-in the CPU tier (tests/cpu/test_e2e_compare.py).
+Launchers: `local` starts `python -m sglang.launch_server` on this host with the tree's
+folder first on PYTHONPATH (--pristine-path / --patched-path hold an `sglang/` package:
+ci/e2e/trees.sh makes both from an installed SGLang 0.5.20); `docker` runs the images
+(--native-image: SGLang's official image; --patched-image: this project's; a pristine
+variant needs --pristine-kvcached-image). The JSON report holds every row, its server
+command and environment, the environment of the run and the patches/ state.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import random
+import platform
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import e2e_matrix as matrix  # noqa: E402
+import e2e_verdict as judge  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    tp: int = 1
-    extra_flags: tuple[str, ...] = ()
-    kvcached_page_size_mb: int | None = None  # a Mamba cell over 2 MiB needs 4
-    vocab_size: int = 32000                    # prompt token ids are drawn below this
-    dummy: bool = False                        # --load-format dummy, local config folder
-
-
-CASES = {
-    "qwen2.5-0.5b": Case("Qwen/Qwen2.5-0.5B-Instruct", vocab_size=151000),
-    "qwen2.5-7b": Case("Qwen/Qwen2.5-7B-Instruct", vocab_size=151000),
-    "qwen2.5-7b-tp2": Case("Qwen/Qwen2.5-7B-Instruct", tp=2, vocab_size=151000),
-    "deepseek-v2-lite": Case("deepseek-ai/DeepSeek-V2-Lite-Chat", extra_flags=("--trust-remote-code",),
-                             vocab_size=100000),
-    "qwen3.5-4b": Case("Qwen/Qwen3.5-4B", kvcached_page_size_mb=4, vocab_size=151000),
-    "tiny-dummy": Case(str(HERE / "configs" / "qwen2-tiny"), vocab_size=1024, dummy=True),
-}
-LAYOUTS = {"default": (), "layer_first": ("--hicache-mem-layout", "layer_first")}
-
-
-@dataclass
-class Plan:
-    prompts: int = 16
-    prompt_tokens: int = 512
-    max_new_tokens: int = 16
-    device_tokens: int = 8192        # --max-total-tokens: the device pool the filler overflows
-    hicache_ratio: int = 4           # host pool: holds the prompt set and the filler together
-    page_size: int = 64
-    top_logprobs: int = 5
-    seed: int = 0
-
-
-def server_args(case: Case, layout: str, port: int, plan: Plan) -> list[str]:
-    """`sglang.launch_server` arguments, identical for native and patched runs."""
-    args = ["--model-path", case.model, "--host", "127.0.0.1", "--port", str(port),
-            "--tp-size", str(case.tp), "--page-size", str(plan.page_size),
-            "--max-total-tokens", str(plan.device_tokens),
-            "--enable-hierarchical-cache", "--hicache-ratio", str(plan.hicache_ratio), *LAYOUTS[layout],
-            "--skip-tokenizer-init", *case.extra_flags]
-    if case.dummy:
-        args += ["--load-format", "dummy"]
-    return args
-
-
-def server_env(case: Case, patched: bool) -> dict[str, str]:
-    if not patched:
-        return {"ENABLE_KVCACHED": "false"}
-    env = {"ENABLE_KVCACHED": "true", "KVCACHED_MAX_CACHED_TOKENS": "-1"}
-    if case.kvcached_page_size_mb:
-        env["KVCACHED_PAGE_SIZE_MB"] = str(case.kvcached_page_size_mb)
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum():
+            raise ValueError(f"--env takes KEY=VALUE, not {pair!r}")
+        env[key] = value
     return env
 
 
-def launch_command(launcher: str, image: str | None, env: dict[str, str], args: list[str],
-                   gpus: str, mounts: tuple[str, ...] = ()) -> list[str]:
+def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
+                   gpus: list[str], mounts: tuple[str, ...] = ()) -> list[str]:
     """The command that starts one server: in a container (docker) or on this host (local)."""
-    serve = ["python3", "-m", "sglang.launch_server", *args]
+    serve = ["-m", "sglang.launch_server", *args]
     if launcher == "local":
-        return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *serve]
+        return [python, *serve]
     if not image:
         raise ValueError("--launcher docker needs an image for this variant")
-    command = ["docker", "run", "--rm", "--gpus", f'"device={gpus}"', "--ipc=host", "--network=host",
+    command = ["docker", "run", "--rm", "--gpus", f'"device={",".join(gpus)}"', "--ipc=host", "--network=host",
                "-v", f"{os.path.expanduser('~')}/.cache/huggingface:/root/.cache/huggingface"]
     for mount in mounts:
         command += ["-v", f"{mount}:{mount}:ro"]
     for key, value in sorted(env.items()):
         command += ["-e", f"{key}={value}"]
-    return [*command, image, *serve]
+    return [*command, image, "python3", *serve]
 
 
-def prompt_sets(plan: Plan, vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The prompt set and the eviction filler: fixed token ids, no shared prefixes."""
-    rng = random.Random(plan.seed)
-    ids = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]
-    prompts = [ids(plan.prompt_tokens) for _ in range(plan.prompts)]
-    filler_count = plan.device_tokens // plan.prompt_tokens + 2  # just over the device pool
-    filler = [ids(plan.prompt_tokens) for _ in range(filler_count)]
-    return prompts, filler
-
-
-def generate_payload(input_ids: list[int], plan: Plan) -> dict:
-    return {"input_ids": input_ids,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": plan.max_new_tokens, "ignore_eos": True},
-            "return_logprob": True, "top_logprobs_num": plan.top_logprobs, "logprob_start_len": -1}
-
-
-def summarize(response: dict) -> dict:
-    """What the comparison needs from one /generate response."""
-    meta = response["meta_info"]
-    details = meta.get("cached_tokens_details") or {}
-    return {
-        "output_ids": response.get("output_ids") or [t[1] for t in meta["output_token_logprobs"]],
-        "top_logprobs": [[(entry[1], entry[0]) for entry in position]
-                         for position in meta["output_top_logprobs"]],
-        "cached_tokens": meta.get("cached_tokens", 0),
-        "host_tokens": details.get("host", 0),
-    }
-
-
-def compare(native: list[dict], patched: list[dict], logprob_tol: float) -> list[str]:
-    """Every difference that makes the patched run wrong; empty when it matches native."""
-    problems = []
-    if len(native) != len(patched):
-        return [f"{len(native)} native responses vs {len(patched)} patched"]
-    for i, (a, b) in enumerate(zip(native, patched)):
-        if a["output_ids"] != b["output_ids"]:
-            first = next((j for j, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y),
-                         min(len(a["output_ids"]), len(b["output_ids"])))
-            problems.append(f"prompt {i}: greedy tokens differ from position {first}")
-        for pos, (ta, tb) in enumerate(zip(a["top_logprobs"], b["top_logprobs"])):
-            if not ta or not tb or ta[0][0] != tb[0][0]:
-                problems.append(f"prompt {i} position {pos}: top token differs")
-                continue
-            common = dict(ta).keys() & dict(tb).keys()
-            worst = max((abs(dict(ta)[t] - dict(tb)[t]) for t in common), default=0.0)
-            if worst > logprob_tol:
-                problems.append(f"prompt {i} position {pos}: top-{len(ta)} logprobs differ by {worst:.4f}")
-        if a["host_tokens"] != b["host_tokens"]:
-            problems.append(f"prompt {i}: {b['host_tokens']} host-hit tokens, native {a['host_tokens']}")
-    if not any(a["host_tokens"] for a in native):
-        problems.append("native never hit the host cache: the eviction pass did not evict (raise the filler)")
-    return problems
-
-
-def post(url: str, payload: dict | None = None, timeout: float = 600) -> dict | str:
+def post(url: str, payload: dict | None, timeout: float) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = response.read().decode()
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError:
-        return body
+    return json.loads(body) if body.strip().startswith(("{", "[")) else {"text": body}
 
 
-def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
+def generate(base: str, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
+    payload = {"input_ids": ids,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": plan.max_new_tokens, "ignore_eos": True},
+               "return_logprob": True, "top_logprobs_num": plan.top_logprobs, "logprob_start_len": -1}
+    return judge.summarize(post(f"{base}/generate", payload, timeout))
+
+
+def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> str:
+    """'' once the server answers a generation; else why not ('died', 'not ready')."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+            return "died at startup"
         try:
-            post(f"{base}/health_generate", timeout=10)
+            post(f"{base}/health_generate", None, timeout=30)
+            return ""
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            time.sleep(1)
+    return "not ready"
+
+
+def stop(process: subprocess.Popen) -> None:
+    """The server and every process it started (it leads its own process group)."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
             return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(5)
-    raise TimeoutError(f"server not ready after {timeout:.0f} s")
-
-
-def run_passes(base: str, prompts: list[list[int]], filler: list[list[int]], plan: Plan) -> list[dict]:
-    for ids in prompts:  # pass 1: computed on device, written through to host
-        post(f"{base}/generate", generate_payload(ids, plan))
-    for ids in filler:   # evict pass 1 from the device pool (not from host)
-        post(f"{base}/generate", generate_payload(ids, plan))
-    return [summarize(post(f"{base}/generate", generate_payload(ids, plan))) for ids in prompts]
-
-
-def run_variant(command: list[str], port: int, prompts, filler, plan: Plan, log: Path, ready_timeout: float):
-    with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base, process, ready_timeout)
-        return run_passes(base, prompts, filler, plan)
-    finally:
-        process.terminate()
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            process.kill()
+            continue
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=sorted(CASES), required=True)
-    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="default")
+class Runner:
+    """Runs rows, several at a time, each on its own port and GPU(s)."""
+
+    def __init__(self, opts, plan: matrix.Plan):
+        self.opts, self.plan = opts, plan
+        self.gpus = [g for g in opts.gpus.split(",") if g]
+        self.slots = list(range(opts.jobs))
+        self.lock = threading.Lock()
+        self.started = time.time()
+        self.logs = Path(opts.logs or Path(opts.out).with_suffix("").as_posix() + "-logs")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
+        self.extra_env = parse_env(opts.env)
+        self.live: set[subprocess.Popen] = set()
+        self.stopping = False
+        # each finished row at once, so that a run cut short keeps what it did
+        self.journal = Path(opts.out).with_suffix(".rows.jsonl")
+        self.journal.write_text("")
+
+    def stop_all(self, *_) -> None:
+        """On SIGTERM/SIGINT: start no more rows, stop every server still running, exit."""
+        self.stopping = True
+        for process in list(self.live):
+            stop(process)
+        raise SystemExit(f"stopped; finished rows are in {self.journal}")
+
+    def image(self, variant: matrix.Variant) -> str | None:
+        if variant.tree == "patched":
+            return self.opts.patched_image
+        return self.opts.native_image if variant.kvcached is None else self.opts.pristine_kvcached_image
+
+    def record(self, row: matrix.Row) -> dict:
+        return {"key": row.key, "group": row.group, "case": row.case.name, "model": row.case.model,
+                "pool": row.case.pool, "tp": row.case.tp, "variant": row.variant.name, "tree": row.variant.tree,
+                "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
+                "expect": row.expect, "refusal": row.refusal}
+
+    def skip_reason(self, row: matrix.Row) -> str:
+        if self.stopping:
+            return "the run was stopped"
+        if row.case.tp > len(self.gpus):
+            return f"needs {row.case.tp} GPUs, --gpus names {len(self.gpus)}"
+        if self.opts.launcher == "docker" and not self.image(row.variant):
+            return "no image for this variant (--pristine-kvcached-image)"
+        if self.opts.deadline and time.time() - self.started > self.opts.deadline:
+            return f"--deadline {self.opts.deadline:.0f} s passed before it started"
+        return ""
+
+    def run(self, row: matrix.Row) -> dict:
+        rec = self.record(row)
+        reason = self.skip_reason(row)
+        if reason:
+            return {**rec, "outcome": "skipped", "reason": reason}
+        with self.lock:
+            slot = self.slots.pop(0)
+        try:
+            result = {**rec, **self.serve(row, slot)}
+        finally:
+            with self.lock:
+                self.slots.append(slot)
+        with self.lock, open(self.journal, "a") as journal:
+            journal.write(json.dumps(result) + "\n")
+        return result
+
+    def serve(self, row: matrix.Row, slot: int) -> dict:
+        opts, plan = self.opts, self.plan
+        port = opts.port + 10 * slot
+        gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.tp)]
+        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)])
+        storage = None
+        if row.l3:
+            storage = (tempfile.mkdtemp(prefix="e2e-l3-") if opts.launcher == "local"
+                       else f"/tmp/e2e-l3-{slot}")
+        env = {**self.extra_env, **matrix.server_env(row, storage)}
+        mounts = (row.case.model,) if row.case.dummy else ()
+        command = launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus, mounts)
+        process_env = None
+        if opts.launcher == "local":
+            tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
+            path = [str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")]
+            process_env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
+                           "PYTHONPATH": ":".join(p for p in path if p)}
+        log = self.logs / (row.key.replace("/", "__") + ".log")
+        print(f"[{time.time() - self.started:6.0f} s] start {row.key} (GPU {','.join(gpus)}, port {port})", flush=True)
+        result = {"command": command, "env": env, "gpus": gpus, "log": str(log)}
+        began = time.time()
+        with open(log, "w") as handle:
+            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=process_env,
+                                       start_new_session=True)
+        self.live.add(process)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            why = wait_ready(base, process, opts.ready_timeout)
+            result["start_s"] = round(time.time() - began, 1)
+            if why:
+                result["outcome"] = why
+            else:
+                began = time.time()
+                try:
+                    result["passes"] = self.traffic(base, row)
+                    result["outcome"] = "served"
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, KeyError) as exc:
+                    try:   # a dying server takes a moment to exit after its scheduler failed
+                        process.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    result["outcome"] = "died serving" if process.poll() is not None else "request failed"
+                    result["request_error"] = f"{type(exc).__name__}: {exc}"
+                result["run_s"] = round(time.time() - began, 1)
+        finally:
+            stop(process)
+            self.live.discard(process)
+            if storage and opts.launcher == "local":
+                shutil.rmtree(storage, ignore_errors=True)
+        result.update(judge.scan_log(log.read_text(errors="replace")))
+        print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: {result['outcome']} "
+              f"{result.get('error', '')[:120]}", flush=True)
+        return result
+
+    def traffic(self, base: str, row: matrix.Row) -> dict:
+        t = matrix.traffic(self.plan, row.case.vocab_size, row.l3)
+        timeout = self.opts.request_timeout
+        passes = {"pass1": [generate(base, ids, self.plan, timeout) for ids in t.pass1]}
+        for ids in t.filler:
+            generate(base, ids, self.plan, timeout)
+        passes["pass2"] = [generate(base, ids, self.plan, timeout) for ids in t.pass2]
+        return passes
+
+
+def tree_state(path: str) -> str:
+    """scripts/status's first line for a folder holding sglang/ (series pristine/applied/...)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), path], capture_output=True, text=True)
+    return (proc.stdout.splitlines() or [proc.stderr.strip()])[0]
+
+
+def check_trees(opts) -> dict[str, str]:
+    """The local launcher's trees must be what their names say; else nothing runs."""
+    states = {}
+    for name, path, want in (("pristine", opts.pristine_path, "series pristine"),
+                             ("patched", opts.patched_path, "series applied")):
+        if not path or not (Path(path) / "sglang").is_dir():
+            raise SystemExit(f"--launcher local needs --{name}-path: a folder holding an sglang/ package "
+                             f"(ci/e2e/trees.sh makes one); got {path!r}")
+        states[name] = tree_state(path)
+        if not states[name].endswith(want):
+            raise SystemExit(f"--{name}-path {path}: scripts/status says '{states[name]}', expected '{want}'")
+    return states
+
+
+def patches_state(patches: Path = ROOT / "patches") -> dict:
+    """sha256 of patches/series and of each patch it lists, and one digest over all."""
+    files = ["series"] + [line.strip() for line in (patches / "series").read_text().splitlines()
+                          if line.strip() and not line.startswith("#")]
+    sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
+    overall = hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest()
+    return {"digest": overall, "files": sums}
+
+
+def environment(opts) -> dict:
+    """What ran: GPU, driver, Python and the versions the servers import, stand-ins named."""
+    env = {"python": platform.python_version(), "launcher": opts.launcher}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        env["gpus"] = smi.stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        env["gpus"] = []
+    if opts.launcher == "local":
+        probe = ("import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
+                 "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
+                 "s = u.find_spec('sgl_kernel')\n"
+                 "stand = bool(s and os.path.exists(os.path.join(os.path.dirname(s.origin), '_standin_ops.py')))\n"
+                 "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda,"
+                 " 'transformers': v('transformers'), 'triton': v('triton'), 'kvcached': v('kvcached'),"
+                 " 'sgl_kernel': 'plain-torch stand-in (its Python wrappers, ops re-registered)' if stand"
+                 " else v('sglang-kernel')}))\n")
+        path = ":".join(p for p in [str(Path(opts.patched_path).resolve()), os.environ.get("PYTHONPATH", "")] if p)
+        proc = subprocess.run([opts.python, "-c", probe], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path, "ENABLE_KVCACHED": "false"}, timeout=300)
+        env["versions"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:]
+    else:
+        env["images"] = {"native": opts.native_image, "patched": opts.patched_image,
+                         "pristine+kvcached": opts.pristine_kvcached_image}
+    env["server_flags"] = opts.server_flags
+    env["env"] = opts.env
+    return env
+
+
+def read_rows(path: Path, logprob_tol: float) -> list[dict]:
+    """The rows of a report or of a run's journal, judged again from their raw runs."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        rows = json.loads(path.read_text())["rows"]
+    judge.judge(rows, logprob_tol)
+    return rows
+
+
+def options(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--table", nargs="+", metavar="REPORT",
+                    help="judge reports (or a run's .rows.jsonl journal) again, print their table, exit")
+    ap.add_argument("--list", action="store_true", help="print the rows that would run and exit")
+    ap.add_argument("--case", nargs="+", default=[], choices=sorted(matrix.CASES))
+    ap.add_argument("--pool", nargs="+", default=[], choices=[*matrix.POOL_KINDS, "all"],
+                    help="every case of these pool kinds in --set")
+    ap.add_argument("--set", dest="case_set", choices=sorted(matrix.CASE_SETS), default="tiny")
+    ap.add_argument("--host-layout", nargs="+", default=list(matrix.HOST_LAYOUTS), choices=matrix.HOST_LAYOUTS)
+    ap.add_argument("--variants", nargs="+", default=list(matrix.DEFAULT_VARIANTS), choices=sorted(matrix.VARIANTS))
+    ap.add_argument("--l3", choices=matrix.L3_MODES, default="off", help="file-store groups: none, also, only")
+    ap.add_argument("--skip", nargs="+", default=[], metavar="GLOB",
+                    help="leave out rows whose key matches, e.g. '*-tp2/layer_first/*' '*/l3/*'")
     ap.add_argument("--launcher", choices=["docker", "local"], default="docker")
+    ap.add_argument("--python", default=sys.executable, help="local launcher: the interpreter of the servers")
+    ap.add_argument("--pristine-path", help="local: folder holding SGLang 0.5.20's sglang/ as released")
+    ap.add_argument("--patched-path", help="local: folder holding sglang/ with the series applied")
     ap.add_argument("--native-image", default="lmsysorg/sglang:v0.5.20-cu130")
     ap.add_argument("--patched-image", default="sglang-elastic-hicache:0.5.20")
-    ap.add_argument("--gpus", default="0", help="docker --gpus device list (two for the TP2 case)")
+    ap.add_argument("--pristine-kvcached-image", help="docker: SGLang 0.5.20 as released with kvcached 0.1.6")
+    ap.add_argument("--server-flags", action="append", default=[],
+                    help="more launch_server flags for every server (one string, split like a shell)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="more server environment")
+    ap.add_argument("--gpus", default="0", help="GPU ids; a row of TP n takes n of them")
+    ap.add_argument("--jobs", type=int, default=1, help="servers running at once (they share the GPUs)")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--logprob-tol", type=float, default=1e-3)
+    ap.add_argument("--logprob-tol", type=float, default=0.0)
     ap.add_argument("--ready-timeout", type=float, default=1800)
-    ap.add_argument("--out", default="e2e-report.json")
-    args = ap.parse_args()
+    ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--deadline", type=float, help="start no row after this many seconds (it is 'not run')")
+    ap.add_argument("--logs", help="server logs folder (default: next to --out)")
+    ap.add_argument("--out", default="build/e2e/report.json")
+    opts = ap.parse_args(argv)
+    if opts.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    try:
+        parse_env(opts.env)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return opts
 
-    case, plan = CASES[args.case], Plan()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    prompts, filler = prompt_sets(plan, case.vocab_size)
-    mounts = (str(Path(case.model)),) if case.dummy else ()
-    results = {}
-    for variant, image in (("native", args.native_image), ("patched", args.patched_image)):
-        command = launch_command(args.launcher, image, server_env(case, variant == "patched"),
-                                 server_args(case, args.layout, args.port, plan), args.gpus, mounts)
-        print(f"{variant}: {' '.join(command)}", flush=True)
-        results[variant] = run_variant(command, args.port, prompts, filler, plan,
-                                       Path(f"{args.out}.{variant}.log"), args.ready_timeout)
-    problems = compare(results["native"], results["patched"], args.logprob_tol)
-    report = {"case": args.case, "layout": args.layout, "problems": problems,
-              "host_tokens": {v: [r["host_tokens"] for r in rs] for v, rs in results.items()}}
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print("\n".join(problems) if problems else f"{args.case} {args.layout}: patched matches native")
-    return 1 if problems else 0
+
+def main(argv=None) -> int:
+    opts = options(argv)
+    if opts.table:
+        for path in opts.table:
+            print(judge.markdown_table(read_rows(Path(path), opts.logprob_tol)))
+        return 0
+    try:
+        rows = matrix.skip_rows(matrix.build_rows(matrix.select_cases(opts.case, opts.pool, opts.case_set),
+                                                  opts.host_layout, opts.variants, opts.l3), opts.skip)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    if opts.list:
+        print("\n".join(f"{r.key} (expect {r.expect})" for r in rows))
+        return 0
+    trees = check_trees(opts) if opts.launcher == "local" else {}
+    plan = matrix.Plan()
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:], "trees": trees,
+              "patches": patches_state(), "environment": environment(opts), "plan": asdict(plan),
+              "logprob_tol": opts.logprob_tol}
+    runner = Runner(opts, plan)
+    handlers = {sig: signal.signal(sig, runner.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
+    order = matrix.run_order(rows)
+    try:
+        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+            done = dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    report["rows"] = [done[i] for i in range(len(rows))]
+    report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
+    report["wall_s"] = round(time.time() - runner.started, 1)
+    Path(opts.out).write_text(json.dumps(report, indent=1))
+    print(judge.markdown_table(report["rows"]))
+    print("\n".join(report["problems"]) if report["problems"] else "every row as expected")
+    return 1 if report["problems"] else 0
 
 
 if __name__ == "__main__":

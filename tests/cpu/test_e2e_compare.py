@@ -1,27 +1,36 @@
-"""ci/e2e/compare_servers.py: its server flags, launch commands and comparison.
+"""ci/e2e: the model-level comparison's matrix, server flags, traffic, verdicts and runner.
 
-The script itself needs GPUs and model servers (not run here); what it decides is
-checked here: every flag it passes parses with SGLang 0.5.20's own argument parser
-into the intended settings, native and patched runs differ only in kvcached's
-environment, the passes can actually produce host hits, and the comparison flags
-every kind of divergence while accepting identical runs.
+The comparison itself needs GPUs (docs/e2e-results.md holds its runs); what it decides is
+checked here: every row's flags parse with SGLang 0.5.20's own parser into the intended
+settings; variants differ only in tree and kvcached environment; the tiny configs reach
+each pool kind through SGLang's own model config; the traffic can produce host and
+storage hits; the verdicts catch every kind of divergence, record the pristine tree's
+failure as expected, and fail a pristine row that matches; and the whole runner, driven
+against a stand-in server process, writes the report it promises.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
+import json
+import socket
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
-spec = importlib.util.spec_from_file_location("compare_servers", ROOT / "ci" / "e2e" / "compare_servers.py")
-e2e = importlib.util.module_from_spec(spec)
-sys.modules["compare_servers"] = e2e
-spec.loader.exec_module(e2e)
+sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+import compare_servers as e2e  # noqa: E402
+import e2e_matrix as matrix  # noqa: E402
+import e2e_verdict as verdict  # noqa: E402
+
+# what the runs in docs/e2e-results.md passed besides the matrix's own flags
+STANDIN_FLAGS = ("--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none "
+                 "--mem-fraction-static 0.3 --disable-custom-all-reduce --linear-attn-prefill-backend triton")
+ALL_CASES = [matrix.CASES[n] for n in sorted(matrix.CASES)]
 
 
 def parse(args):
@@ -32,96 +41,512 @@ def parse(args):
     return parser.parse_args(args)
 
 
-@pytest.mark.parametrize("layout", sorted(e2e.LAYOUTS))
-@pytest.mark.parametrize("name", sorted(e2e.CASES))
-def test_server_flags_parse_with_sglangs_parser(name, layout):
-    case, plan = e2e.CASES[name], e2e.Plan()
-    ns = parse(e2e.server_args(case, layout, 30000, plan))
-    assert ns.enable_hierarchical_cache is True
-    assert ns.hicache_mem_layout == ("layer_first" if layout == "layer_first" else "page_first")
-    assert ns.hicache_io_backend == "kernel" and ns.hicache_write_policy == "write_through"  # SGLang's defaults
-    assert ns.tp_size == case.tp and ns.page_size == plan.page_size
-    assert ns.max_total_tokens == plan.device_tokens and ns.skip_tokenizer_init is True
-    assert (ns.load_format == "dummy") == case.dummy
+# ---------------------------------------------------------------- matrix and flags
+
+def test_every_rows_flags_parse_with_sglangs_parser():
+    plan = matrix.Plan()
+    rows = matrix.build_rows(ALL_CASES, l3="also")
+    assert {r.l3 for r in rows} == {False, True} and {r.host_layout for r in rows} == set(matrix.HOST_LAYOUTS)
+    for row in rows:
+        ns = parse(matrix.server_args(row, 30010, plan, [*STANDIN_FLAGS.split(), "--nccl-port", "30011"]))
+        assert ns.model_path == row.case.model and ns.port == 30010 and ns.nccl_port == 30011
+        assert ns.enable_hierarchical_cache is True
+        assert ns.hicache_mem_layout == row.host_layout
+        assert ns.hicache_io_backend == "kernel" and ns.hicache_write_policy == "write_through"  # SGLang's defaults
+        assert ns.hicache_ratio == (plan.l3_hicache_ratio if row.l3 else plan.hicache_ratio)
+        assert ns.hicache_storage_backend == ("file" if row.l3 else None)
+        assert ns.hicache_storage_prefetch_policy == ("wait_complete" if row.l3 else "timeout")
+        assert ns.tp_size == row.case.tp and ns.page_size == (1 if row.case.pool == "mla" else plan.page_size)
+        assert ns.max_total_tokens == plan.device_tokens and ns.skip_tokenizer_init is True
+        assert (ns.load_format == "dummy") == row.case.dummy
+        assert ns.attention_backend == "triton" and ns.disable_custom_all_reduce is True
+        if row.case.pool == "mamba":
+            assert ns.max_mamba_cache_size > 0
 
 
-def test_native_and_patched_differ_only_in_kvcached_env():
-    case = e2e.CASES["qwen3.5-4b"]
-    assert e2e.server_env(case, patched=False) == {"ENABLE_KVCACHED": "false"}
-    assert e2e.server_env(case, patched=True) == {
-        "ENABLE_KVCACHED": "true", "KVCACHED_MAX_CACHED_TOKENS": "-1", "KVCACHED_PAGE_SIZE_MB": "4"}
-    assert "KVCACHED_PAGE_SIZE_MB" not in e2e.server_env(e2e.CASES["qwen2.5-7b"], patched=True)
+def test_default_host_layout_is_left_to_sglang():
+    row = matrix.build_rows([matrix.CASES["qwen2-tiny"]], ["page_first"], ["native"])[0]
+    assert "--hicache-mem-layout" not in matrix.server_args(row, 1, matrix.Plan())
 
 
-def test_launch_commands():
-    args = ["--model-path", "m"]
-    docker = e2e.launch_command("docker", "img:tag", {"ENABLE_KVCACHED": "true"}, args, "0,1")
-    assert docker[:2] == ["docker", "run"] and '"device=0,1"' in docker
-    assert docker[docker.index("img:tag") + 1:] == ["python3", "-m", "sglang.launch_server", *args]
-    assert docker[docker.index("ENABLE_KVCACHED=true") - 1] == "-e"
-    local = e2e.launch_command("local", None, {"ENABLE_KVCACHED": "false"}, args, "0")
-    assert local == ["env", "ENABLE_KVCACHED=false", "python3", "-m", "sglang.launch_server", *args]
-    with pytest.raises(ValueError):
-        e2e.launch_command("docker", None, {}, args, "0")
+def test_variants_differ_only_in_tree_and_kvcached_environment():
+    case = matrix.CASES["qwen3.5-tiny"]
+    plan = matrix.Plan()
+    rows = {r.variant.name: r for r in matrix.build_rows([case], ["page_first"])}
+    assert set(rows) == set(matrix.DEFAULT_VARIANTS)
+    assert len({tuple(matrix.server_args(r, 1, plan)) for r in rows.values()}) == 1
+    assert matrix.server_env(rows["native"]) == {"ENABLE_KVCACHED": "false"}
+    for name, contiguous in (("elastic-contiguous", "true"), ("elastic-per-layer", "false"),
+                             ("pristine-contiguous", "true"), ("pristine-per-layer", "false")):
+        env = matrix.server_env(rows[name])
+        assert env["ENABLE_KVCACHED"] == "true" and env["KVCACHED_MAX_CACHED_TOKENS"] == "-1"
+        assert env["KVCACHED_CONTIGUOUS_LAYOUT"] == contiguous and env["KVCACHED_PAGE_SIZE_MB"] == "4"
+    assert {rows[n].variant.tree for n in rows} == {"pristine", "patched"}
+    assert rows["native"].variant.tree == "pristine" and rows["elastic-contiguous"].variant.tree == "patched"
+    mha = matrix.build_rows([matrix.CASES["qwen2-tiny"]], ["page_first"], ["native", "elastic-contiguous"])
+    assert "KVCACHED_PAGE_SIZE_MB" not in matrix.server_env(mha[1])
 
 
-def test_passes_overflow_the_device_but_not_the_host():
-    plan = e2e.Plan()
-    prompts, filler = e2e.prompt_sets(plan, 1024)
-    prompt_tokens = sum(map(len, prompts))
-    filler_tokens = sum(map(len, filler))
-    assert filler_tokens > plan.device_tokens >= prompt_tokens
-    assert plan.hicache_ratio * plan.device_tokens >= prompt_tokens + filler_tokens
-    assert len({tuple(p[:8]) for p in prompts + filler}) == len(prompts) + len(filler)  # no shared prefixes
-    assert e2e.prompt_sets(plan, 1024) == (prompts, filler)  # fixed: both servers see the same ids
+def test_every_kvcached_server_has_its_own_ipc_name_and_l3_its_own_store():
+    rows = matrix.build_rows([matrix.CASES[n] for n in matrix.CASE_SETS["tiny"]], l3="also")
+    names = [matrix.server_env(r, "/s")["KVCACHED_IPC_NAME"] for r in rows if r.variant.kvcached]
+    assert len(names) == len(set(names)) and all("/" not in n and "." not in n for n in names)
+    l3 = next(r for r in rows if r.l3)
+    assert matrix.server_env(l3, "/tmp/x")["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == "/tmp/x"
+    with pytest.raises(ValueError, match="storage directory"):
+        matrix.server_env(l3)
 
 
-def test_dummy_config_is_a_valid_model_config():
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(e2e.CASES["tiny-dummy"].model)
-    head_dim = config.hidden_size // config.num_attention_heads
-    assert config.model_type == "qwen2"
-    assert (config.num_key_value_heads * head_dim * 2) % 128 == 0  # a row the JIT HiCache kernel takes
+def keys(rows):
+    return {(r.host_layout, r.l3, r.variant.name, r.expect) for r in rows}
 
 
-def response(ids, tops, host):
+def test_rows_per_pool_kind():
+    mha = matrix.build_rows([matrix.CASES["qwen2-tiny"]], l3="also")
+    assert keys(mha) == {
+        *{(h, False, v, "match") for h in matrix.HOST_LAYOUTS for v in ("native", "elastic-contiguous", "elastic-per-layer")},
+        *{(h, False, "pristine-contiguous", "fail") for h in matrix.HOST_LAYOUTS},
+        *{("page_first", True, v, "match") for v in ("native", "elastic-contiguous", "elastic-per-layer")}}
+    mamba = matrix.build_rows([matrix.CASES["qwen3.5-tiny"]])
+    assert keys(mamba) == {
+        *{("page_first", False, v, "match") for v in ("native", "elastic-contiguous", "elastic-per-layer")},
+        *{("page_first", False, v, "fail") for v in ("pristine-contiguous", "pristine-per-layer")},
+        ("layer_first", False, "native", "refused"), ("layer_first", False, "elastic-contiguous", "refused")}
+    refused = next(r for r in mamba if r.expect == "refused")
+    assert refused.refusal == "Unsupported layout: layer_first"
+    assert all(r.variant.name == "native" for r in matrix.build_rows([matrix.CASES["mellum-tiny"]])[:1])
+    only = matrix.build_rows([matrix.CASES["deepseek-v2-tiny"]], l3="only")
+    assert {r.l3 for r in only} == {True} and {r.host_layout for r in only} == {"page_first"}
+
+
+def test_bad_matrix_input_is_refused_with_what_to_use():
+    case = matrix.CASES["qwen2-tiny"]
+    with pytest.raises(ValueError, match="oracle"):
+        matrix.build_rows([case], variants=["elastic-contiguous"])
+    with pytest.raises(ValueError, match="unknown variants"):
+        matrix.build_rows([case], variants=["native", "elastic"])
+    with pytest.raises(ValueError, match="host layouts"):
+        matrix.build_rows([case], host_layouts=["page_head"])
+    with pytest.raises(ValueError, match="--l3"):
+        matrix.build_rows([case], l3="yes")
+    with pytest.raises(ValueError, match="unknown cases"):
+        matrix.select_cases(["qwen9"])
+    with pytest.raises(ValueError, match="no case selected"):
+        matrix.select_cases()
+    with pytest.raises(ValueError, match="pool"):
+        matrix.Case("x", "m", "paged")
+
+
+def test_rows_can_be_left_out_by_key():
+    rows = matrix.build_rows([matrix.CASES["qwen2-tiny"], matrix.CASES["qwen2-tiny-tp2"]], l3="also")
+    kept = matrix.skip_rows(rows, ["*-tp2/layer_first/*", "qwen2-tiny/page_first/l3/*"])
+    assert len(kept) == len(rows) - 4 - 3
+    assert not any(r.key.startswith("qwen2-tiny-tp2/layer_first/") for r in kept)
+    assert any(r.key.startswith("qwen2-tiny-tp2/page_first/l3/") for r in kept)
+    assert matrix.skip_rows(rows) == rows
+
+
+def test_run_order_starts_every_case_default_layout_first():
+    rows = matrix.build_rows([matrix.CASES[n] for n in matrix.CASE_SETS["tiny"]], l3="also")
+    order = [rows[i] for i in matrix.run_order(rows)]
+    assert sorted(matrix.run_order(rows)) == list(range(len(rows)))
+    first = order[:len(matrix.CASE_SETS["tiny"])]
+    assert {r.case.name for r in first} == set(matrix.CASE_SETS["tiny"]) and {r.variant.name for r in first} == {"native"}
+    tiers = [0 if (r.host_layout == "page_first" and not r.l3) else 1 if r.l3 else 2 for r in order]
+    assert tiers == sorted(tiers)
+
+
+def test_cases_per_pool_kind():
+    assert [c.name for c in matrix.select_cases(pools=["mha"])] == ["qwen2-tiny", "qwen2-tiny-tp2"]
+    every = matrix.select_cases(pools=["all"])
+    assert {c.pool for c in every} == set(matrix.POOL_KINDS) and {c.tp for c in every} == {1, 2}
+    assert all(c.dummy for c in every)
+    assert {c.pool for c in matrix.select_cases(pools=["all"], case_set="hf")} == set(matrix.POOL_KINDS)
+    assert [c.name for c in matrix.select_cases(["mellum-tiny"], ["swa"])] == ["mellum-tiny"]
+
+
+# ---------------------------------------------------------------- traffic
+
+@pytest.mark.parametrize("l3", [False, True])
+def test_traffic_pushes_the_set_out_of_the_tier_under_test(l3):
+    plan = matrix.Plan()
+    t = matrix.traffic(plan, 1024, l3)
+    unique = {tuple(p[:i]) for p in t.pass1 for i in range(1, len(p) + 1)}   # distinct prefixes = tokens held
+    filler = sum(map(len, t.filler))
+    assert len(unique) + len(t.pass1) * plan.max_new_tokens <= plan.device_tokens   # pass 1 fits on device
+    assert filler > plan.device_tokens
+    if l3:
+        assert filler > plan.host_tokens(True)          # ... and out of host memory
+    else:
+        assert plan.host_tokens(False) >= len(unique) + filler + (len(t.pass1) + len(t.filler)) * plan.max_new_tokens
+    assert t.pass2[:len(t.pass1)] == t.pass1 and len(t.pass2) == len(t.pass1) + plan.extension_prompts
+    assert matrix.traffic(plan, 1024, l3) == t                               # every server sees the same ids
+
+
+def test_traffic_has_shared_and_distinct_prefixes():
+    plan = matrix.Plan()
+    t = matrix.traffic(plan, 1024, False)
+    distinct, shared = t.pass1[:plan.distinct_prompts], t.pass1[plan.distinct_prompts:] + t.pass2[len(t.pass1):]
+    n = plan.shared_prefix_tokens
+    assert len({tuple(p[:n]) for p in shared}) == 1 and len({tuple(p[n:n + 8]) for p in shared}) == len(shared)
+    assert len({tuple(p[:8]) for p in distinct + t.filler + shared[:1]}) == len(distinct) + len(t.filler) + 1
+    assert all(len(p) == plan.prompt_tokens for p in t.pass2 + t.filler)
+    assert all(100 <= i < 1024 for p in t.pass2 for i in p)
+
+
+# ---------------------------------------------------------------- tiny configs
+
+def model_config(case_name):
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(matrix.CASES[case_name].model, trust_remote_code=False, dtype="auto")
+
+
+def test_tiny_configs_reach_each_pool_kind_through_sglangs_model_config():
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
+    from sglang.srt.configs.model_config import AttentionArch
+
+    mha = model_config("qwen2-tiny")
+    assert mha.attention_arch == AttentionArch.MHA and not mha.is_hybrid_swa and hybrid_gdn_config(mha) is None
+    # per rank at TP 2: one KV head of 64 bf16, a row the JIT HiCache kernel takes
+    assert mha.get_total_num_kv_heads() % 2 == 0 and (mha.head_dim * 2) % 128 == 0
+    mla = model_config("deepseek-v2-tiny")
+    assert mla.attention_arch == AttentionArch.MLA
+    assert ((mla.kv_lora_rank + mla.qk_rope_head_dim) * 2) % 128 == 0             # 576 bf16
+    hf = mla.hf_config
+    assert hf.first_k_dense_replace >= hf.num_hidden_layers                        # dense MLPs only: no MoE op
+    gdn = model_config("qwen3.5-tiny")
+    text = hybrid_gdn_config(gdn)
+    assert text is not None and text.linear_layer_ids == [0, 1, 2] and text.full_attention_layer_ids == [3]
+    ssm = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4   # fp32
+    conv = (2 * text.linear_num_key_heads * text.linear_key_head_dim
+            + text.linear_num_value_heads * text.linear_value_head_dim) * (text.linear_conv_kernel_dim - 1) * 2
+    assert ssm + conv > 2 << 20   # over kvcached's default page: KVCACHED_PAGE_SIZE_MB=4, as Qwen3.5-4B
+    swa = model_config("mellum-tiny")
+    assert swa.is_hybrid_swa and swa.swa_attention_layer_ids == [0, 1, 2] and swa.full_attention_layer_ids == [3]
+    assert set(swa.hf_config.mlp_layer_types) == {"dense"}                        # no MoE op
+
+
+# ---------------------------------------------------------------- responses and logs
+
+def response(ids, tops, host=0, storage=None, device=0):
+    details = {"device": device, "host": host}
+    if storage is not None:
+        details["storage"] = storage
+    cached = device + host + (storage or 0)
     return {"output_ids": ids, "meta_info": {
         "output_token_logprobs": [[tops[i][0][1], t, None] for i, t in enumerate(ids)],
         "output_top_logprobs": [[[lp, tok, None] for tok, lp in top] for top in tops],
-        "cached_tokens": 512, "cached_tokens_details": {"device": 512 - host, "host": host}}}
+        "cached_tokens": cached, **({"cached_tokens_details": details} if cached else {})}}
+
+
+def test_summarize_reads_every_hit_kind():
+    tops = [[(5, -0.1)]]
+    assert verdict.summarize(response([5], tops, host=448, device=64))["host_tokens"] == 448
+    s = verdict.summarize(response([5], tops, storage=448))
+    assert (s["device_tokens"], s["host_tokens"], s["storage_tokens"]) == (0, 0, 448)
+    cold = verdict.summarize(response([5], tops))
+    assert (cold["cached_tokens"], cold["device_tokens"], cold["host_tokens"]) == (0, 0, 0)
+    flat = {"meta_info": {"cached_tokens": 64, "output_token_logprobs": [[-0.1, 5, None]],
+                          "output_top_logprobs": [[[-0.1, 5, None]]]}}
+    assert verdict.summarize(flat)["device_tokens"] == 64 and verdict.summarize(flat)["output_ids"] == [5]
+
+
+LOG = """\
+[2026-11-30 10:00:01] server_args=ServerArgs(model_path='x')
+[kvcached][INFO][2026-11-30 10:00:05][patches.py:478] [kvcached] ElasticPagedTokenToKVPoolAllocator in use: size=4096, page_size=64
+[kvcached][INFO][2026-11-30 10:00:05][patches.py:843] VirtualKV Cache is allocated (group_id=0). #tokens: 4096, #layers: 4
+[2026-11-30 10:00:09] Scheduler hit an exception: Traceback (most recent call last):
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 3, in event_loop
+AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'
+[2026-11-30 10:00:09] Received sigquit from a child process. It usually means the child failed.
+"""
+
+
+def test_scan_log_finds_kvcached_and_the_error_line():
+    found = verdict.scan_log(LOG)
+    assert len(found["kvcached_lines"]) == 2 and "VirtualKV Cache is allocated" in found["kvcached_lines"][1]
+    assert found["error"] == "AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'"
+    assert verdict.scan_log("all good\n") == {"kvcached_lines": [], "error": ""}
+    mamba = "[kvcached][INFO][t][patches.py:1609] Elastic MambaPool (group_id=1) #slots=32, layout=contig\n"
+    assert verdict.scan_log(mamba)["kvcached_lines"]
+    assert verdict.scan_log("AssertionError: Unsupported layout: layer_first\n")["error"].startswith("AssertionError")
+
+
+# ---------------------------------------------------------------- verdicts
+
+TOPS = [[(5, -0.1), (7, -2.0)], [(9, -0.3), (5, -1.5)]]
+
+
+def run(host=448, storage=None, kvcached=True, outcome="served", error=""):
+    answers = [verdict.summarize(response([5, 9], TOPS, host, storage)), verdict.summarize(response([5, 9], TOPS))]
+    return {"outcome": outcome, "error": error, "passes": {"pass1": copy.deepcopy(answers[1:]), "pass2": answers},
+            "kvcached_lines": ["VirtualKV Cache is allocated"] if kvcached else []}
+
+
+def test_identical_runs_match():
+    assert verdict.compare(run()["passes"], run()["passes"], 0.0) == []
+    assert verdict.verdict("match", run(), run(kvcached=False), 0.0) == ("matches native", [])
+
+
+def test_every_divergence_is_reported():
+    native = run(kvcached=False)["passes"]
+    tokens = copy.deepcopy(native)
+    tokens["pass2"][0]["output_ids"] = [5, 11]
+    assert "pass2 prompt 0: greedy tokens differ from position 1" in verdict.compare(native, tokens, 0.0)
+    top = copy.deepcopy(native)
+    top["pass2"][1]["top_logprobs"][0] = [(7, -0.1), (5, -0.2)]
+    assert "pass2 prompt 1 position 0: top token differs" in verdict.compare(native, top, 0.0)
+    swapped = copy.deepcopy(native)
+    swapped["pass2"][0]["top_logprobs"][1] = [(9, -0.3), (6, -1.5)]
+    assert "pass2 prompt 0 position 1: top-2 token sets differ" in verdict.compare(native, swapped, 0.0)
+    drift = copy.deepcopy(native)
+    drift["pass2"][0]["top_logprobs"][1] = [(9, -0.3), (5, -1.51)]
+    assert any("logprobs differ by 0.01" in p for p in verdict.compare(native, drift, 0.0))
+    assert verdict.compare(native, drift, 0.05) == []
+    tiny = copy.deepcopy(native)
+    tiny["pass1"][0]["top_logprobs"][0] = [(5, -0.1 + 1e-7), (7, -2.0)]
+    assert verdict.compare(native, tiny, 0.0) != []          # the default tolerance is bit-identical
+    for kind in verdict.HIT_KINDS:
+        hits = copy.deepcopy(native)
+        hits["pass2"][0][kind] += 64
+        assert any(kind.replace("_", " ") in p for p in verdict.compare(native, hits, 0.0)), kind
+    short = copy.deepcopy(native)
+    short["pass2"].pop()
+    assert verdict.compare(native, short, 0.0) == ["pass2: 1 responses, native 2"]
+
+
+def test_elastic_runs_must_show_kvcached_served():
+    result, problems = verdict.verdict("match", run(kvcached=False), run(kvcached=False), 0.0)
+    assert result == "matches native" and any("kvcached did not serve" in p for p in problems)
+    died = run(outcome="died serving", error="RuntimeError: boom")
+    assert verdict.verdict("match", died, run(), 0.0)[1] == ["died serving: RuntimeError: boom"]
+
+
+def test_pristine_failure_is_recorded_not_an_error():
+    native = run(kvcached=False)
+    died = run(outcome="died serving", error="AttributeError: no attribute 'k_data_ptrs'")
+    assert verdict.verdict("fail", died, native, 0.0) == (
+        "fails as expected: AttributeError: no attribute 'k_data_ptrs'", [])
+    wrong = run()
+    wrong["passes"]["pass2"][0]["output_ids"] = [6, 9]
+    result, problems = verdict.verdict("fail", wrong, native, 0.0)
+    assert result.startswith("fails as expected (wrong results, no error): pass2 prompt 0") and problems == []
+    result, problems = verdict.verdict("fail", run(), native, 0.0)
+    assert result == "matches native" and "does not show the failure" in problems[0]
+    # same answers from other cache tiers (e.g. the prefix never left the device): not a failure shown
+    elsewhere = run()
+    elsewhere["passes"]["pass2"][0].update(device_tokens=448, host_tokens=0)
+    result, problems = verdict.verdict("fail", elsewhere, native, 0.0)
+    assert result.startswith("inconclusive") and "does not show the failure" in problems[0]
+    assert "pass2 prompt 0: 448 device tokens, native 0" in problems[0]
+
+
+def test_refusals():
+    refused = run(outcome="died at startup", error="AssertionError: Unsupported layout: layer_first")
+    assert verdict.verdict("refused", refused, None, 0.0, "Unsupported layout") == (
+        "refused at startup: AssertionError: Unsupported layout: layer_first", [])
+    assert verdict.verdict("refused", run(), None, 0.0, "Unsupported layout")[1]
+    other = run(outcome="died at startup", error="RuntimeError: CUDA out of memory")
+    assert "expected the refusal" in verdict.verdict("refused", other, None, 0.0, "Unsupported layout")[1][0]
+
+
+def row_dict(variant, host=448, storage=None, l3=False, kvcached=None, expect="match", **kw):
+    r = run(host, storage, kvcached=variant != "native", **kw)
+    return {**r, "key": f"c/page_first/{variant}", "group": "c/page_first", "variant": variant, "l3": l3,
+            "expect": expect, "case": "c", "pool": "mha", "tp": 1, "kvcached": kvcached, "tree": "patched",
+            "host_layout": "page_first", "start_s": 20.0, "run_s": 9.6}
+
+
+def test_judge_checks_the_oracle_too():
+    rows = [row_dict("native"), row_dict("elastic-contiguous", kvcached="contiguous")]
+    assert verdict.judge(rows, 0.0) == [] and [r["result"] for r in rows] == ["oracle", "matches native"]
+    cold = [row_dict("native", host=0), row_dict("elastic-contiguous", host=0, kvcached="contiguous")]
+    assert any("never hit the host cache" in p for p in verdict.judge(cold, 0.0))
+    l3 = [row_dict("native", host=0, storage=448, l3=True)]
+    assert verdict.judge(l3, 0.0) == []
+    l3_cold = [row_dict("native", host=448, storage=0, l3=True)]
+    assert any("never hit the file store" in p for p in verdict.judge(l3_cold, 0.0))
+    polluted = [row_dict("native")]
+    polluted[0]["kvcached_lines"] = ["VirtualKV Cache is allocated"]
+    assert any("kvcached was not off" in p for p in verdict.judge(polluted, 0.0))
+    orphan = [row_dict("elastic-contiguous", kvcached="contiguous")]
+    assert verdict.judge(orphan, 0.0) == ["c/page_first/elastic-contiguous: no served native run in this group"]
+
+
+def test_markdown_table():
+    rows = [row_dict("native"), row_dict("elastic-contiguous", kvcached="contiguous")]
+    verdict.judge(rows, 0.0)
+    table = verdict.markdown_table(rows).splitlines()
+    assert len(table) == 4 and table[0].count("|") == table[1].count("|") == table[2].count("|")
+    assert table[3] == ("| c | mha | 1 | contiguous | patched | page_first | - | matches native | 0 / 448 / 0 | 20 | 10 |")
+    assert "off (native)" in table[2]
+
+
+# ---------------------------------------------------------------- runner
+
+def test_launch_commands():
+    args = ["--model-path", "m"]
+    docker = e2e.launch_command("docker", "python3", "img:tag", {"ENABLE_KVCACHED": "true"}, args, ["0", "1"], ("/cfg",))
+    assert docker[:2] == ["docker", "run"] and '"device=0,1"' in docker and "/cfg:/cfg:ro" in docker
+    assert docker[docker.index("img:tag") + 1:] == ["python3", "-m", "sglang.launch_server", *args]
+    assert docker[docker.index("ENABLE_KVCACHED=true") - 1] == "-e"
+    assert e2e.launch_command("local", "/py", None, {}, args, ["0"]) == ["/py", "-m", "sglang.launch_server", *args]
+    with pytest.raises(ValueError, match="image"):
+        e2e.launch_command("docker", "python3", None, {}, args, ["0"])
+
+
+def test_bad_options_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        e2e.options(["--pool", "all", "--env", "NOEQUALS"])
+    assert "KEY=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.options(["--pool", "all", "--jobs", "0"])
+    with pytest.raises(SystemExit, match="pristine-path"):
+        e2e.check_trees(e2e.options(["--pool", "mha", "--launcher", "local"]))
+
+
+def test_trees_are_checked_with_the_series_status(tmp_path):
+    pristine = ROOT / "build" / "sglang-wheel" / "python"
+    if not (pristine / "sglang").is_dir():
+        pytest.skip("no pristine tree at build/sglang-wheel (make sglang)")
+    assert e2e.tree_state(str(pristine)).endswith("series pristine")
+    opts = e2e.options(["--pool", "mha", "--launcher", "local", "--pristine-path", str(pristine),
+                        "--patched-path", str(pristine)])
+    with pytest.raises(SystemExit, match="expected 'series applied'"):
+        e2e.check_trees(opts)
+
+
+def test_patches_state_tracks_every_listed_patch(tmp_path):
+    copy_dir = tmp_path / "patches"
+    copy_dir.mkdir()
+    for f in (ROOT / "patches").iterdir():
+        (copy_dir / f.name).write_bytes(f.read_bytes())
+    before = e2e.patches_state(copy_dir)
+    assert before == e2e.patches_state(ROOT / "patches")
+    listed = [n for n in before["files"] if n != "series"]
+    assert listed and all(n.endswith(".patch") for n in listed)
+    last = copy_dir / listed[-1]
+    last.write_bytes(last.read_bytes() + b"\n")
+    after = e2e.patches_state(copy_dir)
+    assert after["digest"] != before["digest"] and after["files"][listed[-1]] != before["files"][listed[-1]]
+    series = copy_dir / "series"
+    series.write_text(series.read_text() + "# a comment changes no patch, but the series file\n")
+    assert e2e.patches_state(copy_dir)["digest"] != after["digest"]
+
+
+# A stand-in for `python -m sglang.launch_server`: answers /health_generate and /generate
+# like SGLang's server (greedy ids, top logprobs, cache details). A prompt seen before is a
+# host hit (a storage hit with --hicache-storage-backend); kvcached on logs its allocation
+# line; the pristine tree with kvcached on dies at its first hit, as 0.5.20 does at the
+# first backup; FAKE_SKEW makes kvcached answers differ.
+FAKE_SERVER = textwrap.dedent('''
+    import argparse, json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    import sglang
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--page-size", type=int)
+    ap.add_argument("--hicache-storage-backend")
+    args, _ = ap.parse_known_args()
+    elastic = os.environ["ENABLE_KVCACHED"] == "true"
+    store = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+    if args.hicache_storage_backend and not (store and os.path.isdir(store)):
+        sys.exit("RuntimeError: no storage directory")
+    if elastic:
+        print("[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: 4096", flush=True)
+    seen = set()
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path == "/generate":
+                body = self.generate(body)
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        do_GET = do_POST
+        def generate(self, req):
+            ids = req["input_ids"]
+            hit = (len(ids) - 1) // args.page_size * args.page_size if tuple(ids) in seen else 0
+            seen.add(tuple(ids))
+            if hit and elastic and not sglang.PATCHED:
+                print("AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'", flush=True)
+                os._exit(1)
+            skew = 1 if elastic and os.environ.get("FAKE_SKEW") else 0
+            out = [(sum(ids) + i + skew) % 997 for i in range(req["sampling_params"]["max_new_tokens"])]
+            tops = [[[-0.25, t, None], [-1.5, t + 1, None]] for t in out]
+            kind = "storage" if args.hicache_storage_backend else "host"
+            details = {"device": 0, "host": 0, **({"storage": 0} if args.hicache_storage_backend else {})}
+            details[kind] = hit
+            return {"output_ids": out, "meta_info": {"cached_tokens": hit, "cached_tokens_details": details,
+                    "output_token_logprobs": [[-0.25, t, None] for t in out], "output_top_logprobs": tops}}
+    HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+''')
 
 
 @pytest.fixture
-def native():
-    tops = [[(5, -0.1), (7, -2.0)], [(9, -0.3), (5, -1.5)]]
-    return [e2e.summarize(response([5, 9], tops, 448)), e2e.summarize(response([5, 9], tops, 0))]
+def fake_trees(tmp_path, monkeypatch):
+    for tree, patched in (("pristine", False), ("patched", True)):
+        pkg = tmp_path / tree / "sglang"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f"PATCHED = {patched}\n")
+        (pkg / "launch_server.py").write_text(FAKE_SERVER)
+    monkeypatch.setattr(e2e, "check_trees", lambda opts: {"pristine": "fake", "patched": "fake"})
+    monkeypatch.setattr(e2e, "environment", lambda opts: {"fake": True})
+    with socket.socket() as s:   # a free range of ports
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1] // 100 * 100 % 50000 + 10000
+    return ["--launcher", "local", "--pristine-path", str(tmp_path / "pristine"),
+            "--patched-path", str(tmp_path / "patched"), "--case", "qwen2-tiny", "--host-layout", "page_first",
+            "--jobs", "3", "--port", str(port), "--ready-timeout", "20", "--request-timeout", "30"]
 
 
-def test_identical_runs_match(native):
-    assert e2e.summarize(response([5, 9], [[(5, -0.1)], [(9, -0.3)]], 448))["host_tokens"] == 448
-    assert e2e.compare(native, copy.deepcopy(native), 1e-3) == []
+def test_runner_end_to_end_against_a_stand_in_server(fake_trees, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--l3", "also", "--out", str(out), "--env", "EXTRA=1"]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["key"]: r for r in report["rows"]}
+    assert set(rows) == {f"qwen2-tiny/page_first/{v}" for v in
+                         ("native", "elastic-contiguous", "elastic-per-layer", "pristine-contiguous")} | {
+                        f"qwen2-tiny/page_first/l3/{v}" for v in ("native", "elastic-contiguous", "elastic-per-layer")}
+    assert report["problems"] == [] and report["patches"] == e2e.patches_state()
+    assert rows["qwen2-tiny/page_first/native"]["result"] == "oracle"
+    assert rows["qwen2-tiny/page_first/elastic-contiguous"]["result"] == "matches native"
+    pristine = rows["qwen2-tiny/page_first/pristine-contiguous"]
+    assert pristine["result"].startswith("fails as expected: AttributeError") and pristine["outcome"] == "died serving"
+    l3 = rows["qwen2-tiny/page_first/l3/elastic-per-layer"]
+    assert verdict.hit_totals(l3)["storage_tokens"] > 0 and verdict.hit_totals(l3)["host_tokens"] == 0
+    assert l3["env"]["EXTRA"] == "1" and l3["env"]["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+    assert all(r["start_s"] is not None and Path(r["log"]).exists() for r in report["rows"])
+    printed = capsys.readouterr().out
+    assert "every row as expected" in printed and printed.count("| qwen2-tiny |") == 7
+    assert e2e.main(["--table", str(out)]) == 0
+    assert capsys.readouterr().out.count("| qwen2-tiny |") == 7
+    journal = out.with_suffix(".rows.jsonl")      # rows as they finished: a cut run keeps them
+    assert len(journal.read_text().splitlines()) == 7
+    assert e2e.main(["--table", str(journal)]) == 0
+    assert capsys.readouterr().out.count("| matches native |") == 4
 
 
-def test_divergences_are_reported(native):
-    tokens = copy.deepcopy(native)
-    tokens[0]["output_ids"] = [5, 11]
-    assert "prompt 0: greedy tokens differ from position 1" in e2e.compare(native, tokens, 1e-3)
-    top = copy.deepcopy(native)
-    top[1]["top_logprobs"][0] = [(7, -0.1), (5, -0.2)]
-    assert "prompt 1 position 0: top token differs" in e2e.compare(native, top, 1e-3)
-    drift = copy.deepcopy(native)
-    drift[0]["top_logprobs"][1] = [(9, -0.3), (5, -1.51)]
-    assert any("logprobs differ by 0.0100" in p for p in e2e.compare(native, drift, 1e-3))
-    assert e2e.compare(native, drift, 0.05) == []
-    hits = copy.deepcopy(native)
-    hits[0]["host_tokens"] = 0
-    assert "prompt 0: 0 host-hit tokens, native 448" in e2e.compare(native, hits, 1e-3)
-    assert e2e.compare(native, native[:1], 1e-3) == ["2 native responses vs 1 patched"]
+def test_runner_fails_when_kvcached_answers_differ(fake_trees, tmp_path):
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "--env", "FAKE_SKEW=1",
+                     "--out", str(out), "--deadline", "600"]) == 1
+    problems = json.loads(out.read_text())["problems"]
+    assert problems and all(p.startswith("qwen2-tiny/page_first/elastic-contiguous: ") for p in problems)
+    assert any("greedy tokens differ" in p for p in problems)
 
 
-def test_no_host_hits_at_all_is_a_failed_run(native):
-    cold = copy.deepcopy(native)
-    for r in cold:
-        r["host_tokens"] = 0
-    assert any("never hit the host cache" in p for p in e2e.compare(cold, copy.deepcopy(cold), 1e-3))
+def test_rows_past_the_deadline_or_without_gpus_are_not_run(fake_trees, tmp_path):
+    out = tmp_path / "report.json"
+    args = [a for a in fake_trees if a != "qwen2-tiny"]
+    args[args.index("--case") + 1:args.index("--case") + 1] = ["qwen2-tiny-tp2"]
+    assert e2e.main([*args, "--variants", "native", "--out", str(out), "--gpus", "0"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["outcome"] == "skipped" and row["result"] == "not run: needs 2 GPUs, --gpus names 1"
+    assert e2e.main([*fake_trees, "--variants", "native", "--out", str(out), "--deadline", "-1"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["result"].startswith("not run: --deadline")

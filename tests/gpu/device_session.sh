@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine without network (see docs/gpu-results.md and
+# One call on a GPU machine without network (see docs/gpu-results.md and
 # ../shared/device/README.md): keep a pristine copy of SGLang for the benchmark's native
 # variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)

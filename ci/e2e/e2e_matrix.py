@@ -1,0 +1,283 @@
+"""What the model-level comparison runs: model cases, server variants, rows, flags, traffic.
+
+A *row* is one server run: a model case (its pool kind), a host layout, with or without
+the L3 file store, and a variant (which SGLang tree, kvcached on or off and its layout).
+Rows with the same case, host layout and L3 setting form a group; the group's `native`
+row (SGLang 0.5.20 as released, kvcached off) is the oracle the others are compared to.
+"""
+from __future__ import annotations
+
+import fnmatch
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = HERE / "configs"
+
+POOL_KINDS = ("mha", "mla", "mamba", "swa")
+KVCACHED_LAYOUTS = ("contiguous", "per-layer")   # KVCACHED_CONTIGUOUS_LAYOUT=true / false
+HOST_LAYOUTS = ("page_first", "layer_first")     # page_first is SGLang's default
+L3_MODES = ("off", "also", "only")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model family at one size, and how SGLang and kvcached treat its pools."""
+    name: str
+    model: str
+    pool: str                                  # one of POOL_KINDS: the device pool kind it reaches
+    tp: int = 1
+    vocab_size: int = 32000                    # prompt token ids are drawn below this
+    dummy: bool = False                        # --load-format dummy: a local config, no weights
+    extra_flags: tuple[str, ...] = ()
+    page_size: int | None = None               # None: the plan's
+    kvcached_env: tuple[tuple[str, str], ...] = ()   # e.g. a Mamba cell over 2 MiB needs 4 MiB pages
+    # (host layout, message): layouts SGLang itself refuses for this pool, natively too
+    refused_layouts: tuple[tuple[str, str], ...] = ()
+    # kvcached layouts in which SGLang 0.5.20 as released serves this pool wrongly (the series'
+    # subject); elsewhere the pristine tree is already right (dense views) and is not run
+    pristine_fails: tuple[str, ...] = ("contiguous",)
+
+    def __post_init__(self):
+        if self.pool not in POOL_KINDS:
+            raise ValueError(f"case {self.name}: pool {self.pool!r} is not one of {POOL_KINDS}")
+
+
+def _tiny(name: str) -> str:
+    return str(CONFIGS / name)
+
+
+# Mamba state of Qwen3.5's geometry: 2 MiB SSM + 48 KiB conv per layer and slot, over
+# kvcached's default 2 MiB page. A small state pool, so that filler traffic evicts it.
+_QWEN35 = dict(pool="mamba", kvcached_env=(("KVCACHED_PAGE_SIZE_MB", "4"),),
+               refused_layouts=(("layer_first", "Unsupported layout: layer_first"),),
+               pristine_fails=KVCACHED_LAYOUTS)
+
+# kvcached 0.1.6 sizes its elastic MLA pool's page allocator with `size + page_size` blocks
+# of `page_size` tokens (its MHA pool: ceil(size / page_size) + 1 blocks), so at page size
+# 64 the kvcached server holds 64 times --max-total-tokens on the device, never evicts
+# where native does, and no prefix comes back from host. At page size 1 both hold the same.
+_MLA = dict(pool="mla", page_size=1)
+
+CASES = {case.name: case for case in (
+    # dummy weights, small local configs: no download, every pool kind through SGLang's model code
+    Case("qwen2-tiny", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True),
+    Case("qwen2-tiny-tp2", _tiny("qwen2-tiny"), "mha", tp=2, vocab_size=1024, dummy=True),
+    Case("deepseek-v2-tiny", _tiny("deepseek-v2-tiny"), vocab_size=1024, dummy=True, **_MLA),
+    Case("qwen3.5-tiny", _tiny("qwen3.5-tiny"), vocab_size=1024, dummy=True,
+         extra_flags=("--max-mamba-cache-size", "32"), **_QWEN35),
+    Case("mellum-tiny", _tiny("mellum-tiny"), "swa", vocab_size=1024, dummy=True),
+    # real checkpoints (GPU runners with the models)
+    Case("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "mha", vocab_size=151000),
+    Case("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "mha", vocab_size=151000),
+    Case("qwen2.5-7b-tp2", "Qwen/Qwen2.5-7B-Instruct", "mha", tp=2, vocab_size=151000),
+    Case("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite-Chat", vocab_size=100000,
+         extra_flags=("--trust-remote-code",), **_MLA),
+    Case("qwen3.5-4b", "Qwen/Qwen3.5-4B", vocab_size=151000, extra_flags=("--max-mamba-cache-size", "64"),
+         **_QWEN35),
+    Case("gpt-oss-20b", "openai/gpt-oss-20b", "swa", vocab_size=200000),
+)}
+
+# `--pool KIND`: the cases of that kind in each set
+CASE_SETS = {
+    "tiny": ("qwen2-tiny", "qwen2-tiny-tp2", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny"),
+    "hf": ("qwen2.5-7b", "qwen2.5-7b-tp2", "deepseek-v2-lite", "qwen3.5-4b", "gpt-oss-20b"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    tree: str                  # "pristine" (SGLang 0.5.20 as released) or "patched" (the series)
+    kvcached: str | None       # None: kvcached off; else one of KVCACHED_LAYOUTS
+
+
+NATIVE = Variant("native", "pristine", None)
+ELASTIC = {layout: Variant(f"elastic-{layout}", "patched", layout) for layout in KVCACHED_LAYOUTS}
+PRISTINE_ELASTIC = {layout: Variant(f"pristine-{layout}", "pristine", layout) for layout in KVCACHED_LAYOUTS}
+VARIANTS = {v.name: v for v in (NATIVE, *ELASTIC.values(), *PRISTINE_ELASTIC.values())}
+DEFAULT_VARIANTS = ("native", "elastic-contiguous", "pristine-contiguous", "elastic-per-layer",
+                    "pristine-per-layer")
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    host_layout: str
+    l3: bool
+    variant: Variant
+    expect: str                # "match": equals native; "fail": the pristine tree's failure;
+    refusal: str = ""          # "refused": startup stops with this message (natively too)
+
+    @property
+    def group(self) -> str:
+        return f"{self.case.name}/{self.host_layout}" + ("/l3" if self.l3 else "")
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}/{self.variant.name}"
+
+
+def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VARIANTS,
+               l3: str = "off") -> list[Row]:
+    """Every server run of the comparison, natives first within each group.
+
+    A pristine variant runs only where the pristine tree is known to get the pool wrong
+    (case.pristine_fails); a host layout SGLang refuses for the pool runs natively and
+    with kvcached's default layout only, both expected to stop at startup. L3 groups use
+    the default host layout.
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    if "native" not in variants:
+        raise ValueError("the native variant is the oracle: it must be among the variants")
+    if l3 not in L3_MODES:
+        raise ValueError(f"--l3 must be one of {L3_MODES}, not {l3!r}")
+    bad = [h for h in host_layouts if h not in HOST_LAYOUTS]
+    if bad:
+        raise ValueError(f"unknown host layouts {bad}; choose from {HOST_LAYOUTS}")
+    rows = []
+    for case in cases:
+        groups = [] if l3 == "only" else [(h, False) for h in host_layouts]
+        if l3 != "off":
+            groups.append((HOST_LAYOUTS[0], True))
+        refused = dict(case.refused_layouts)
+        for host_layout, with_l3 in groups:
+            if host_layout in refused:
+                for name in ("native", "elastic-contiguous"):
+                    if name in variants:
+                        rows.append(Row(case, host_layout, with_l3, VARIANTS[name], "refused",
+                                        refused[host_layout]))
+                continue
+            for name in variants:
+                variant = VARIANTS[name]
+                if variant.tree == "pristine" and variant.kvcached:
+                    if variant.kvcached in case.pristine_fails and not with_l3:
+                        rows.append(Row(case, host_layout, with_l3, variant, "fail"))
+                    continue
+                rows.append(Row(case, host_layout, with_l3, variant, "match"))
+    return rows
+
+
+def skip_rows(rows: list[Row], patterns=()) -> list[Row]:
+    """Rows whose key (case/host layout[/l3]/variant) matches none of the glob patterns."""
+    return [r for r in rows if not any(fnmatch.fnmatchcase(r.key, p) for p in patterns)]
+
+
+def run_order(rows: list[Row]) -> list[int]:
+    """Indices of rows in the order to start them: the default host layout's groups of every
+    case first (their native and kvcached-default runs before the rest), then L3, then the
+    other host layouts; so a run cut short still covers every pool kind."""
+    cases = list(dict.fromkeys(r.case.name for r in rows))
+    variants = list(DEFAULT_VARIANTS)
+
+    def rank(i: int):
+        r = rows[i]
+        tier = 0 if (r.host_layout == HOST_LAYOUTS[0] and not r.l3) else 1 if r.l3 else 2
+        return tier, variants.index(r.variant.name), cases.index(r.case.name)
+    return sorted(range(len(rows)), key=rank)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Traffic and pool sizes, the same for every row."""
+    page_size: int = 64
+    device_tokens: int = 4096        # --max-total-tokens: the device pool the filler overflows
+    hicache_ratio: int = 4           # L2 rows: the host pool holds the prompt set and the filler
+    l3_hicache_ratio: int = 2        # L3 rows: the filler overflows the host pool too
+    prompt_tokens: int = 512
+    distinct_prompts: int = 4        # no prefix shared with anything
+    shared_prefix_tokens: int = 256  # a prefix shared by ...
+    shared_prompts: int = 4          # ... these prompts (prefix + their own suffix)
+    extension_prompts: int = 2       # pass 2 only: the shared prefix + a new suffix
+    max_new_tokens: int = 16
+    top_logprobs: int = 5
+    seed: int = 0
+
+    def host_tokens(self, l3: bool) -> int:
+        return self.device_tokens * (self.l3_hicache_ratio if l3 else self.hicache_ratio)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Token-id prompts (fixed by the seed, so every server sees the same ids)."""
+    pass1: list[list[int]] = field(default_factory=list)
+    filler: list[list[int]] = field(default_factory=list)
+    pass2: list[list[int]] = field(default_factory=list)
+
+
+def traffic(plan: Plan, vocab_size: int, l3: bool) -> Traffic:
+    """Pass 1 computes the prompt set on device (HiCache writes it through to host); the
+    filler, distinct prompts totalling more than the device pool (L3: more than the host
+    pool), pushes it out; pass 2 sends the set again plus new suffixes on the shared prefix,
+    whose prefixes now come back from host (L3: from the file store)."""
+    rng = random.Random(plan.seed)
+    ids = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]
+    suffix = plan.prompt_tokens - plan.shared_prefix_tokens
+    distinct = [ids(plan.prompt_tokens) for _ in range(plan.distinct_prompts)]
+    prefix = ids(plan.shared_prefix_tokens)
+    shared = [prefix + ids(suffix) for _ in range(plan.shared_prompts)]
+    extensions = [prefix + ids(suffix) for _ in range(plan.extension_prompts)]
+    overflow = plan.host_tokens(l3) if l3 else plan.device_tokens
+    filler = [ids(plan.prompt_tokens) for _ in range(overflow // plan.prompt_tokens + 2)]
+    return Traffic(pass1=distinct + shared, filler=filler, pass2=distinct + shared + extensions)
+
+
+def server_args(row: Row, port: int, plan: Plan, extra_flags=()) -> list[str]:
+    """`sglang.launch_server` arguments: within a group identical for every variant."""
+    args = ["--model-path", row.case.model, "--host", "127.0.0.1", "--port", str(port),
+            "--tp-size", str(row.case.tp), "--page-size", str(row.case.page_size or plan.page_size),
+            "--max-total-tokens", str(plan.device_tokens), "--enable-hierarchical-cache",
+            "--hicache-ratio", str(plan.l3_hicache_ratio if row.l3 else plan.hicache_ratio)]
+    if row.host_layout != HOST_LAYOUTS[0]:   # the default stays SGLang's own default
+        args += ["--hicache-mem-layout", row.host_layout]
+    if row.l3:
+        # wait_complete: a prefetch from the store finishes before the request is scheduled,
+        # so the hit count does not depend on timing (SGLang's default, timeout, may cut it)
+        args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete"]
+    args += ["--skip-tokenizer-init", *row.case.extra_flags]
+    if row.case.dummy:
+        args += ["--load-format", "dummy"]
+    return args + list(extra_flags)
+
+
+def server_env(row: Row, storage_dir: str | None = None) -> dict[str, str]:
+    """Environment of one server: kvcached off, or on with its layout and instance name."""
+    env: dict[str, str] = {}
+    if row.variant.kvcached is None:
+        env["ENABLE_KVCACHED"] = "false"
+    else:
+        env.update({
+            "ENABLE_KVCACHED": "true",
+            # kvcached otherwise drops cached prefixes beyond 16,000 tokens after each
+            # request, which native SGLang would keep
+            "KVCACHED_MAX_CACHED_TOKENS": "-1",
+            "KVCACHED_CONTIGUOUS_LAYOUT": "true" if row.variant.kvcached == "contiguous" else "false",
+            # one shared-memory namespace per server (servers may run side by side)
+            "KVCACHED_IPC_NAME": "e2e_" + row.key.replace("/", "_").replace(".", "-"),
+            **dict(row.case.kvcached_env),
+        })
+    if row.l3:
+        if not storage_dir:
+            raise ValueError(f"{row.key}: an L3 row needs its own storage directory")
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir
+    return env
+
+
+def select_cases(names=(), pools=(), case_set: str = "tiny") -> list[Case]:
+    """Cases by name, plus every case of the named pool kinds in the chosen set."""
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"unknown cases {unknown}; choose from {sorted(CASES)}")
+    bad = [p for p in pools if p not in POOL_KINDS + ("all",)]
+    if bad:
+        raise ValueError(f"unknown pool kinds {bad}; choose from {POOL_KINDS + ('all',)}")
+    chosen = list(names)
+    for name in CASE_SETS[case_set]:
+        if ("all" in pools or CASES[name].pool in pools) and name not in chosen:
+            chosen.append(name)
+    if not chosen:
+        raise ValueError("no case selected: name --case or --pool")
+    return [CASES[n] for n in chosen]

@@ -1,0 +1,192 @@
+"""Judging server runs: what a response says, how a run compares to native, the report.
+
+A run (one row, see e2e_matrix) is recorded as a dict: its outcome ("served", "died",
+"not ready"), the error line its log ends with, kvcached's allocation lines found in its
+log, timings, and the summarized responses of each pass. `verdict` turns a run and its
+group's native run into a result and a list of problems; a problem fails the comparison.
+"""
+from __future__ import annotations
+
+import re
+
+# kvcached 0.1.6 logs one of these when it builds an elastic pool or allocator
+KVCACHED_SERVED = re.compile(
+    r"VirtualKV Cache is allocated|Elastic MambaPool|Elastic\w*Allocator in use")
+# the line a Python traceback ends with, e.g. "AttributeError: 'X' object has no attribute 'y'"
+ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception)\b.*$")
+
+
+def summarize(response: dict) -> dict:
+    """What the comparison needs from one /generate response."""
+    meta = response["meta_info"]
+    details = meta.get("cached_tokens_details") or {}   # absent when nothing was cached
+    cached = meta.get("cached_tokens", 0)
+    host, storage = details.get("host", 0), details.get("storage") or 0
+    return {
+        "output_ids": response.get("output_ids") or [t[1] for t in meta["output_token_logprobs"]],
+        "top_logprobs": [[(entry[1], entry[0]) for entry in position]
+                         for position in meta["output_top_logprobs"]],
+        "cached_tokens": cached,
+        "device_tokens": details.get("device", cached - host - storage),
+        "host_tokens": host,
+        "storage_tokens": storage,
+    }
+
+
+def scan_log(text: str) -> dict:
+    """kvcached's allocation lines and the last error line of a server log."""
+    served = []
+    error = ""
+    for line in text.splitlines():
+        if KVCACHED_SERVED.search(line) and line not in served:
+            served.append(line.strip())
+        stripped = line.strip()
+        if ERROR_LINE.match(stripped):
+            error = stripped
+    return {"kvcached_lines": served[:6], "error": error}
+
+
+HIT_KINDS = ("device_tokens", "host_tokens", "storage_tokens")
+
+
+def compare(native: dict[str, list[dict]], other: dict[str, list[dict]], logprob_tol: float) -> list[str]:
+    """Every difference between two runs' passes; empty when they match: outputs (see
+    output_differences), then device, host and storage hit tokens per prompt."""
+    return output_differences(native, other, logprob_tol) + hit_differences(native, other)
+
+
+def hit_differences(native: dict[str, list[dict]], other: dict[str, list[dict]]) -> list[str]:
+    """Prompts whose device, host or storage hit tokens differ from native's."""
+    problems = []
+    for name, reference in native.items():
+        for i, (a, b) in enumerate(zip(reference, other.get(name, []))):
+            for kind in HIT_KINDS:
+                if a[kind] != b[kind]:
+                    problems.append(f"{name} prompt {i}: {b[kind]} {kind.replace('_', ' ')}, native {a[kind]}")
+    return problems
+
+
+def output_differences(native: dict[str, list[dict]], other: dict[str, list[dict]], logprob_tol: float) -> list[str]:
+    """What a user would see differ: greedy tokens must be equal; each position's top token
+    equal and its top-k logprobs within logprob_tol (0: bit-identical)."""
+    problems = []
+    for name, reference in native.items():
+        answers = other.get(name, [])
+        if len(reference) != len(answers):
+            problems.append(f"{name}: {len(answers)} responses, native {len(reference)}")
+            continue
+        for i, (a, b) in enumerate(zip(reference, answers)):
+            where = f"{name} prompt {i}"
+            if a["output_ids"] != b["output_ids"]:
+                first = next((j for j, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y),
+                             min(len(a["output_ids"]), len(b["output_ids"])))
+                problems.append(f"{where}: greedy tokens differ from position {first}")
+            for pos, (ta, tb) in enumerate(zip(a["top_logprobs"], b["top_logprobs"])):
+                if not ta or not tb or ta[0][0] != tb[0][0]:
+                    problems.append(f"{where} position {pos}: top token differs")
+                    continue
+                da, db = dict(ta), dict(tb)
+                if da.keys() != db.keys():
+                    problems.append(f"{where} position {pos}: top-{len(ta)} token sets differ")
+                    continue
+                worst = max(abs(da[t] - db[t]) for t in da)
+                if worst > logprob_tol:
+                    problems.append(f"{where} position {pos}: top-{len(ta)} logprobs differ by {worst:.3g}")
+    return problems
+
+
+def hit_totals(run: dict) -> dict[str, int]:
+    """Hit tokens of pass 2 (the pass whose prefixes left the device), summed over prompts."""
+    answers = (run.get("passes") or {}).get("pass2", [])
+    return {kind: sum(a[kind] for a in answers) for kind in HIT_KINDS}
+
+
+def native_problems(run: dict, l3: bool) -> list[str]:
+    """A native run must serve, run kvcached-free, and actually reach the tier under test."""
+    if run["outcome"] != "served":
+        return [f"native run {run['outcome']}: {run.get('error') or 'no error line in its log'}"]
+    problems = []
+    if run.get("kvcached_lines"):
+        problems.append("native run logged kvcached allocations: kvcached was not off")
+    hits = hit_totals(run)
+    if l3 and not hits["storage_tokens"]:
+        problems.append("native never hit the file store: the filler did not push the set out of host memory")
+    if not l3 and not hits["host_tokens"]:
+        problems.append("native never hit the host cache: the filler did not push the set out of the device")
+    return problems
+
+
+def verdict(expect: str, run: dict, native: dict | None, logprob_tol: float, refusal: str = "") -> tuple[str, list[str]]:
+    """(result, problems) of one run against its group's native run.
+
+    expect "match": serves with kvcached and equals native. "fail": the pristine tree with
+    kvcached, which must not equal native: it dies (its error line is the result) or
+    differs (the first difference is). "refused": startup stops with the refusal message.
+    """
+    outcome, error = run["outcome"], run.get("error", "")
+    if outcome == "skipped":
+        return f"not run: {run.get('reason', '')}", []
+    if expect == "refused":
+        if outcome == "served":
+            return "served", [f"expected a refusal at startup ({refusal}), but it served"]
+        if refusal and refusal in error:
+            return f"refused at startup: {error}", []
+        return f"{outcome}: {error}", [f"expected the refusal '{refusal}', got: {error or 'no error line'}"]
+    if native is None or native["outcome"] != "served":
+        return f"{outcome} (no native run to compare)", ["no served native run in this group"]
+    if outcome != "served":
+        if expect == "fail":
+            return f"fails as expected: {error or outcome}", []
+        return f"{outcome}: {error}", [f"{outcome}: {error or 'no error line in its log'}"]
+    problems = [] if run.get("kvcached_lines") else ["no kvcached allocation in its log: kvcached did not serve"]
+    if expect == "fail":
+        wrong = output_differences(native["passes"], run["passes"], logprob_tol)
+        if wrong:
+            return f"fails as expected (wrong results, no error): {wrong[0]}", problems
+        paths = hit_differences(native["passes"], run["passes"])
+        if paths:   # same answers, other cache tiers: the wrong path may never have run
+            return "inconclusive: same outputs, different hits", problems + [
+                f"the pristine tree's outputs match, but its cache hits do not ({paths[0]}): "
+                "this row does not show the failure the series fixes"]
+        return "matches native", problems + ["the pristine tree matched native: this row does not show "
+                                             "the failure the series fixes"]
+    differences = compare(native["passes"], run["passes"], logprob_tol)
+    return ("matches native" if not differences else "differs from native"), problems + differences
+
+
+def judge(rows: list[dict], logprob_tol: float) -> list[str]:
+    """Fill each row dict's result and problems in place; return all problems, by row."""
+    natives = {r["group"]: r for r in rows if r["variant"] == "native"}
+    everything = []
+    for r in rows:
+        native = natives.get(r["group"])
+        if r["variant"] == "native":
+            if r["expect"] == "refused":
+                result, problems = verdict("refused", r, None, logprob_tol, r.get("refusal", ""))
+            elif r["outcome"] == "skipped":
+                result, problems = f"not run: {r.get('reason', '')}", []
+            else:
+                problems = native_problems(r, r["l3"])
+                result = "oracle" if not problems else "native failed"
+        else:
+            result, problems = verdict(r["expect"], r, native, logprob_tol, r.get("refusal", ""))
+        r["result"], r["problems"] = result, problems
+        everything += [f"{r['key']}: {p}" for p in problems]
+    return everything
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The results table of docs/e2e-results.md, one line per run."""
+    head = ("| model (config) | pool | TP | kvcached layout | SGLang tree | host layout | L3 | result "
+            "| pass-2 hit tokens: device / host / storage | start s | run s |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        hits = hit_totals(r) if r["outcome"] == "served" else None
+        lines.append("| " + " | ".join([
+            r["case"], r["pool"], str(r["tp"]), r["kvcached"] or "off (native)", r["tree"], r["host_layout"],
+            "file" if r["l3"] else "-", r["result"],
+            f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
+            f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",
+            f"{r['run_s']:.0f}" if r.get("run_s") is not None else "-",
+        ]) + " |")
+    return "\n".join(lines)

@@ -1,8 +1,9 @@
 """The CPU tier's checks fail on SGLang 0.5.20 without the series.
 
-Runs the round-trip, split, refusal, controller, kernel-wrapper and kernel-geometry tests in a subprocess against the pristine tree
-($PRISTINE_SGLANG) and asserts that the cases the series fixes fail there, so none of
-those tests could pass whatever the code did.
+Runs the cases the series fixes (round trips, split, refusals, controller, kernel wrappers
+and geometry, packed MTP drafts) in a subprocess against the pristine tree
+($PRISTINE_SGLANG) and asserts that they fail there, so none of those tests could pass
+whatever the code did, while the same tests over dense pools pass there.
 """
 import os
 import subprocess
@@ -15,57 +16,57 @@ ROOT = Path(__file__).resolve().parents[2]
 PRISTINE = os.environ.get("PRISTINE_SGLANG")
 
 
+# Cases the series fixes: each must fail on the pristine tree.
+EXPECTED_TO_FAIL = [
+    "test_kv_roundtrip.py::test_mha[kvcached-contiguous-layer_first-kernel-64-bf16]",
+    "test_kv_roundtrip.py::test_mha[kvcached-contiguous-page_first-kernel-16-fp8]",
+    "test_kv_roundtrip.py::test_mla[kvcached-contiguous-layer_first-kernel-1-bf16]",
+    "test_kv_roundtrip.py::test_mla[kvcached-contiguous-page_first-kernel-64-bf16]",
+    "test_mamba_roundtrip.py::test_host_pool_sees_the_model_geometry[kvcached-per-layer]",
+    "test_mamba_roundtrip.py::test_round_trips[kvcached-contiguous-page_first-kernel]",
+    "test_hicache_split.py::test_qwen35_mamba_split_equals_native[kvcached-contiguous]",
+    "test_hicache_split.py::test_swa_split_equals_native[kvcached-per-layer]",
+    "test_refusals.py::test_mha_page_head",
+    "test_refusals.py::test_mla_decode_context_parallel_is_served[0-layer_first]",
+    "test_refusals.py::test_page_first_direct[mha]",
+    "test_refusals.py::test_mamba_page_first_direct",
+    "test_mtp_drafts.py::test_mha_packed_drafts[kvcached-contiguous-kvcached-contiguous-page_first-kernel-1-1]",
+    "test_mtp_drafts.py::test_mla_packed_drafts[kvcached-contiguous-native-layer_first-kernel-2-16]",
+    "test_mtp_drafts.py::test_page_first_without_the_staged_write_back[mla]",
+    "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MHA-kvcached-contiguous]",
+    "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MLA-kvcached-contiguous]",
+    "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-contiguous]",
+    "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-per-layer]",
+    "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[MHA-flags0]",
+    "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[hybrid-flags4]",
+    "test_controller.py::test_host_pools_are_sized_as_natively_through_the_builder[kvcached-contiguous-hicache-size]",
+    "test_copy_kernel_geometry.py::test_mla_rows_get_unroll_2",
+    "test_copy_kernel_geometry.py::test_every_lane_carries_at_least_64_bytes_where_it_can[1152]",
+    "test_copy_kernel_geometry.py::test_mla_transfers_pick_the_unroll_by_batch[one_layer_mla]",
+    "test_copy_kernel_geometry.py::test_every_unroll_a_batch_may_pick_is_built_at_start_up[1152-unrolls0]",
+    "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MHA]",
+    "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MLA]",
+    "test_kernel_wrappers.py::test_mamba_wrappers_step_device_slots_by_their_stride[strided]",
+]
+# Native pools (dense views) are served the same with or without the series.
+DENSE_CONTROLS = [
+    "test_kv_roundtrip.py::test_mha[native-layer_first-kernel-16-bf16]",
+    "test_mtp_drafts.py::test_mha_packed_drafts[native-native-page_first-kernel-1-1]",
+    "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-native]",
+    "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[dense-MHA]",
+    "test_kernel_wrappers.py::test_mamba_wrappers_step_device_slots_by_their_stride[dense]",
+]
+
+
 @pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
 def test_fixed_cases_fail_on_the_pristine_tree():
-    files = ["tests/cpu/test_kv_roundtrip.py", "tests/cpu/test_mamba_roundtrip.py",
-             "tests/cpu/test_hicache_split.py", "tests/cpu/test_refusals.py", "tests/cpu/test_controller.py",
-             "tests/cpu/test_copy_kernel_geometry.py", "tests/cpu/test_kernel_wrappers.py",
-             # a few packed-draft cases, strided and dense (the whole file is 70 cases)
-             *(f"tests/cpu/test_mtp_drafts.py::{case}" for case in (
-                 "test_mha_packed_drafts[kvcached-contiguous-kvcached-contiguous-page_first-kernel-1-1]",
-                 "test_mla_packed_drafts[kvcached-contiguous-native-layer_first-kernel-2-16]",
-                 "test_page_first_without_the_staged_write_back[mla]",
-                 "test_mha_packed_drafts[native-native-page_first-kernel-1-1]"))]
+    cases = [f"tests/cpu/{case}" for case in EXPECTED_TO_FAIL + DENSE_CONTROLS]
     env = dict(os.environ, PYTHONPATH=f"{PRISTINE}:{ROOT}")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *files],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *cases],
                           cwd=ROOT, env=env, capture_output=True, text=True)
-    failed = {line.split()[1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED ")}
-    expected = [
-        "test_kv_roundtrip.py::test_mha[kvcached-contiguous-layer_first-kernel-64-bf16]",
-        "test_kv_roundtrip.py::test_mha[kvcached-contiguous-page_first-kernel-16-fp8]",
-        "test_kv_roundtrip.py::test_mla[kvcached-contiguous-layer_first-kernel-1-bf16]",
-        "test_kv_roundtrip.py::test_mla[kvcached-contiguous-page_first-kernel-64-bf16]",
-        "test_mamba_roundtrip.py::test_host_pool_sees_the_model_geometry[kvcached-per-layer]",
-        "test_mamba_roundtrip.py::test_round_trips[kvcached-contiguous-page_first-kernel]",
-        "test_hicache_split.py::test_qwen35_mamba_split_equals_native[kvcached-contiguous]",
-        "test_hicache_split.py::test_swa_split_equals_native[kvcached-per-layer]",
-        "test_refusals.py::test_mha_page_head",
-        "test_refusals.py::test_mla_decode_context_parallel_is_served[0-layer_first]",
-        "test_refusals.py::test_page_first_direct[mha]",
-        "test_refusals.py::test_mamba_page_first_direct",
-        "test_mtp_drafts.py::test_mha_packed_drafts[kvcached-contiguous-kvcached-contiguous-page_first-kernel-1-1]",
-        "test_mtp_drafts.py::test_mla_packed_drafts[kvcached-contiguous-native-layer_first-kernel-2-16]",
-        "test_mtp_drafts.py::test_page_first_without_the_staged_write_back[mla]",
-        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MHA-kvcached-contiguous]",
-        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[MLA-kvcached-contiguous]",
-        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-contiguous]",
-        "test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-kvcached-per-layer]",
-        "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[MHA-flags0]",
-        "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[hybrid-flags4]",
-        "test_controller.py::test_host_pools_are_sized_as_natively_through_the_builder[kvcached-contiguous-hicache-size]",
-        "test_copy_kernel_geometry.py::test_mla_rows_get_unroll_2",
-        "test_copy_kernel_geometry.py::test_every_lane_carries_at_least_64_bytes_where_it_can[1152]",
-        "test_copy_kernel_geometry.py::test_mla_transfers_pick_the_unroll_by_batch[one_layer_mla]",
-        "test_copy_kernel_geometry.py::test_every_unroll_a_batch_may_pick_is_built_at_start_up[1152-unrolls0]",
-        "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MHA]",
-        "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MLA]",
-        "test_kernel_wrappers.py::test_mamba_wrappers_step_device_slots_by_their_stride[strided]",
-    ]
-    missing = [case for case in expected if f"tests/cpu/{case}" not in failed]
+    outcome = {line.split()[1]: line.split()[0] for line in proc.stdout.splitlines()
+               if line.startswith(("FAILED ", "PASSED ", "ERROR "))}
+    missing = [case for case in EXPECTED_TO_FAIL if outcome.get(f"tests/cpu/{case}") != "FAILED"]
     assert not missing, f"expected to fail on the pristine tree but did not: {missing}\n{proc.stdout[-3000:]}"
-    # Native pools (dense views) are served the same with or without the series.
-    assert "tests/cpu/test_kv_roundtrip.py::test_mha[native-layer_first-kernel-16-bf16]" not in failed
-    assert "tests/cpu/test_mtp_drafts.py::test_mha_packed_drafts[native-native-page_first-kernel-1-1]" not in failed
-    assert "tests/cpu/test_controller.py::test_defaults_back_up_and_load_through_the_controller[hybrid-native]" not in failed
-    assert "tests/cpu/test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[dense-MHA]" not in failed
-    assert "tests/cpu/test_kernel_wrappers.py::test_mamba_wrappers_step_device_slots_by_their_stride[dense]" not in failed
+    not_served = [case for case in DENSE_CONTROLS if outcome.get(f"tests/cpu/{case}") != "PASSED"]
+    assert not not_served, f"dense pools must pass on the pristine tree too: {not_served}\n{proc.stdout[-3000:]}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a GPU machine without network (see docs/gpu-results.md and
-# ../shared/device/README.md): keep a pristine copy of SGLang for the benchmark's native
+# One call on a GPU machine without network (docs/gpu-results.md), where SGLang 0.5.20 and
+# kvcached 0.1.6 are installed into /tmp/site: keep a pristine copy of SGLang for the benchmark's native
 # variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)

@@ -8,6 +8,8 @@ On SGLang 0.5.20 these functions do not exist.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,15 +38,18 @@ def test_dense_views_keep_sglangs_path(common):
 def test_interleaved_views_give_their_record_as_the_stride(common):
     (k, v), stride = interleaved()
     assert common.device_view_stride_bytes(k + v, "x") == stride
-    # A view with no rows has no row to be dense or not; it may sit beside strided ones.
-    assert common.device_view_stride_bytes(k + [k[0][:0]], "x") == stride
+    # Views with one row or none may sit beside strided ones (a row's own layout decides).
+    assert common.device_view_stride_bytes(k + [k[0][:0], k[1][:1]], "x") == stride
 
 
 def test_views_without_one_stride_are_refused(common):
     (k, _), _ = interleaved()
     (other, _), _ = interleaved(layers=LAYERS + 1)
     with pytest.raises(ValueError, match="one common row stride"):
-        common.device_view_stride_bytes(k + other[:1], "the MHA device KV pool")
+        common.device_view_stride_bytes(k + other[:1], "x")
+    # The refusal names the pool it is about.
+    with pytest.raises(ValueError, match="cannot copy the MHA device KV pool"):
+        common.find_strided_device_layers([(k, other[:1])], "cpu", "the MHA device KV pool")
 
 
 def test_views_whose_rows_are_not_dense_are_refused(common):
@@ -63,6 +68,8 @@ def test_each_device_pool_gets_its_own_run_of_host_layers(common):
         (0, LAYERS, stride), (LAYERS, 1, HEADS * DIM * 2), (LAYERS + 1, 1, draft_stride)]
     assert [r.host_layers for r in runs] == [slice(0, LAYERS), slice(LAYERS, LAYERS + 1),
                                              slice(LAYERS + 1, LAYERS + 2)]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # built once, at startup
+        runs[0].stride_bytes = 0
     for run, buffers in zip(runs, [(k, v), (draft, draft), (dk, dv)]):
         assert len(run.ptr_tables) == 2
         for table, views in zip(run.ptr_tables, buffers):

@@ -27,6 +27,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -201,6 +202,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
 
+    # Stopped with SIGTERM, still remove the trees (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Each run works in its own folder (trees and logs), so runs never share a tree.
     run_dir = OUT / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:

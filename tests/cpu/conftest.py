@@ -15,6 +15,10 @@ def pytest_configure(config):
         "project_files: checks this project's own files (Dockerfile, CI workflows, e2e script), "
         "not the SGLang tree; deselected by scripts/install-into-python, which runs the tier "
         "inside the image where only patches/, scripts/ and tests/ are copied")
+    config.addinivalue_line(
+        "markers",
+        "l3_store: starts a Mooncake master (the mooncake package, libibverbs1: .ci/run "
+        "installs both); deselected by scripts/install-into-python")
 
 
 @pytest.fixture

@@ -29,6 +29,10 @@ from tests.support.kvcached_views import mha_pool, mla_pool
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
 from tests.support.roundtrip import fill_random, mha_families, mla_families, pages_to_rows, poison
 
+# Starts Mooncake's master, which needs the mooncake package and Debian's libibverbs1
+# (.ci/run installs them); the image build's run of the tier leaves this module out.
+pytestmark = pytest.mark.l3_store
+
 PAGE = 16
 DEVICE_PAGES = 16       # 6 hold the originals, 10 are load targets
 DATA_PAGES = 6

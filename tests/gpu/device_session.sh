@@ -6,6 +6,8 @@
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)
 #   bench      bench/transfer_bench.py, native = the pristine copy
 #   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
+#   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
+#              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case 'mha*')
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
@@ -32,6 +34,11 @@ if has tier; then
   GPU_RESULTS=$out/patched.jsonl bash tests/gpu/run_tier.sh --tb=short -rA > "$out/patched.log" 2>&1
   echo "patched tier exit: $?" >> "$out/patched.log"
 fi
+if has differential; then
+  python3 -m tests.support.differential.pair --pristine "$pristine" --patched "$site" \
+    --out "$out/differential" --device cuda --real-kernels ${DIFF_ARGS:-} > "$out/differential.log" 2>&1
+  echo "differential exit: $?" >> "$out/differential.log"
+fi
 if has bench; then
   python3 bench/transfer_bench.py --native-sglang "$pristine" --out "$out/bench.json" ${BENCH_ARGS:-} \
     > "$out/bench.log" 2>&1
@@ -42,6 +49,6 @@ if has profile; then
     > "$out/profile.log" 2>&1
   echo "profile exit: $?" >> "$out/profile.log"
 fi
-for f in unpatched patched bench profile; do
-  [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|^\|" "$out/$f.log" | tail -n 60; }
+for f in unpatched patched differential bench profile; do
+  [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }
 done

@@ -341,6 +341,8 @@ def main(argv=None):
     outcomes, seen = [], {}
     for case_id, scenario, layout, io in case_ids(args.case):
         outcome = Case(case_id, scenario, layout, io, args.device, (tree,), seen).run()
+        if args.real_kernels:
+            kernels.release_host_memory()
         outcome["reached"] = reach.take()
         outcomes.append(outcome)
     not_run = sum(1 for case in outcomes for step in case["steps"] if "not_run" in step)

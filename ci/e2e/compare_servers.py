@@ -17,7 +17,10 @@ server gets SGLang's default HiCache flags plus the row's, the same traffic
 it out of the device pool (L3: out of host memory too), the set again), and is judged
 against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
 (tolerance --logprob-tol, default 0: bit-identical), device/host/storage hit tokens per
-prompt, and kvcached's allocation line in the log. Passes never use /flush_cache: in
+prompt, and kvcached's allocation line in the log. Dummy-weight servers get
+ci/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
+model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
+logprob); their log must show it ran. Passes never use /flush_cache: in
 SGLang 0.5.20 it also clears the host pool, so nothing would load from host.
 
 Launchers: `local` starts `python -m sglang.launch_server` on this host with the tree's
@@ -158,15 +161,17 @@ class Runner:
 
     def record(self, row: matrix.Row) -> dict:
         return {"key": row.key, "group": row.group, "case": row.case.name, "model": row.case.model,
-                "pool": row.case.pool, "tp": row.case.tp, "variant": row.variant.name, "tree": row.variant.tree,
+                "pool": row.case.pool, "tp": row.case.tp, "pp": row.case.pp, "variant": row.variant.name, "tree": row.variant.tree,
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
-                "expect": row.expect, "refusal": row.refusal}
+                "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy}
 
     def skip_reason(self, row: matrix.Row) -> str:
+        if row.not_run:
+            return row.not_run
         if self.stopping:
             return "the run was stopped"
-        if row.case.tp > len(self.gpus):
-            return f"needs {row.case.tp} GPUs, --gpus names {len(self.gpus)}"
+        if row.case.gpus > len(self.gpus):
+            return f"needs {row.case.gpus} GPUs, --gpus names {len(self.gpus)}"
         if self.opts.launcher == "docker" and not self.image(row.variant):
             return "no image for this variant (--pristine-kvcached-image)"
         if self.opts.deadline and time.time() - self.started > self.opts.deadline:
@@ -192,19 +197,22 @@ class Runner:
     def serve(self, row: matrix.Row, slot: int) -> dict:
         opts, plan = self.opts, self.plan
         port = opts.port + 10 * slot
-        gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.tp)]
+        gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
         flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)])
         storage = None
         if row.l3:
             storage = (tempfile.mkdtemp(prefix="e2e-l3-") if opts.launcher == "local"
                        else f"/tmp/e2e-l3-{slot}")
         env = {**self.extra_env, **matrix.server_env(row, storage)}
-        mounts = (row.case.model,) if row.case.dummy else ()
+        plugins = [str(matrix.PLUGIN)] if row.case.dummy else []
+        mounts = (row.case.model, *plugins) if row.case.dummy else ()
+        if opts.launcher == "docker" and plugins:
+            env["PYTHONPATH"] = ":".join(plugins)
         command = launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus, mounts)
         process_env = None
         if opts.launcher == "local":
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
-            path = [str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")]
+            path = [str(Path(tree).resolve()), *plugins, os.environ.get("PYTHONPATH", "")]
             process_env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
                            "PYTHONPATH": ":".join(p for p in path if p)}
         log = self.logs / (row.key.replace("/", "__") + ".log")

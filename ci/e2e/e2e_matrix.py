@@ -14,6 +14,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "configs"
+# SGLang plugin that draws dummy weights at a trained model's scale (see its docstring);
+# on the PYTHONPATH of every server of a dummy-weight case
+PLUGIN = HERE / "plugin"
 
 POOL_KINDS = ("mha", "mla", "mamba", "swa")
 KVCACHED_LAYOUTS = ("contiguous", "per-layer")   # KVCACHED_CONTIGUOUS_LAYOUT=true / false
@@ -28,6 +31,7 @@ class Case:
     model: str
     pool: str                                  # one of POOL_KINDS: the device pool kind it reaches
     tp: int = 1
+    pp: int = 1                                # pipeline stages (--pp-size); GPUs: tp * pp
     vocab_size: int = 32000                    # prompt token ids are drawn below this
     dummy: bool = False                        # --load-format dummy: a local config, no weights
     extra_flags: tuple[str, ...] = ()
@@ -38,10 +42,16 @@ class Case:
     # kvcached layouts in which SGLang 0.5.20 as released serves this pool wrongly (the series'
     # subject); elsewhere the pristine tree is already right (dense views) and is not run
     pristine_fails: tuple[str, ...] = ("contiguous",)
+    # why its L3 group is not run ("" runs it): recorded as a row "not run" with the reason
+    no_l3: str = ""
 
     def __post_init__(self):
         if self.pool not in POOL_KINDS:
             raise ValueError(f"case {self.name}: pool {self.pool!r} is not one of {POOL_KINDS}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
 
 
 def _tiny(name: str) -> str:
@@ -58,12 +68,20 @@ _QWEN35 = dict(pool="mamba", kvcached_env=(("KVCACHED_PAGE_SIZE_MB", "4"),),
 # of `page_size` tokens (its MHA pool: ceil(size / page_size) + 1 blocks), so at page size
 # 64 the kvcached server holds 64 times --max-total-tokens on the device, never evicts
 # where native does, and no prefix comes back from host. At page size 1 both hold the same.
-_MLA = dict(pool="mla", page_size=1)
+# SGLang's file store keeps one file per page, so at page size 1 a 511-token prefix comes
+# back from 511 files: 5-20 s a prefetch natively, and a request of the L3 pass timed out on
+# native SGLang (H200). MLA's L3 path is checked below the server (file and Mooncake
+# stores, tests/cpu/test_l3_storage.py).
+_MLA = dict(pool="mla", page_size=1,
+            no_l3="page size 1 (see _MLA): SGLang's file store reads a 511-token prefix from 511 files, "
+                  "too slow natively for this traffic")
 
 CASES = {case.name: case for case in (
     # dummy weights, small local configs: no download, every pool kind through SGLang's model code
     Case("qwen2-tiny", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True),
     Case("qwen2-tiny-tp2", _tiny("qwen2-tiny"), "mha", tp=2, vocab_size=1024, dummy=True),
+    # two pipeline stages: the second stage's pools start at layer 2
+    Case("qwen2-tiny-pp2", _tiny("qwen2-tiny"), "mha", pp=2, vocab_size=1024, dummy=True),
     Case("deepseek-v2-tiny", _tiny("deepseek-v2-tiny"), vocab_size=1024, dummy=True, **_MLA),
     Case("qwen3.5-tiny", _tiny("qwen3.5-tiny"), vocab_size=1024, dummy=True,
          extra_flags=("--max-mamba-cache-size", "32"), **_QWEN35),
@@ -81,7 +99,7 @@ CASES = {case.name: case for case in (
 
 # `--pool KIND`: the cases of that kind in each set
 CASE_SETS = {
-    "tiny": ("qwen2-tiny", "qwen2-tiny-tp2", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny"),
+    "tiny": ("qwen2-tiny", "qwen2-tiny-tp2", "qwen2-tiny-pp2", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny"),
     "hf": ("qwen2.5-7b", "qwen2.5-7b-tp2", "deepseek-v2-lite", "qwen3.5-4b", "gpt-oss-20b"),
 }
 
@@ -109,6 +127,7 @@ class Row:
     variant: Variant
     expect: str                # "match": equals native; "fail": the pristine tree's failure;
     refusal: str = ""          # "refused": startup stops with this message (natively too)
+    not_run: str = ""          # why the row is recorded without starting a server
 
     @property
     def group(self) -> str:
@@ -145,6 +164,9 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
             groups.append((HOST_LAYOUTS[0], True))
         refused = dict(case.refused_layouts)
         for host_layout, with_l3 in groups:
+            if with_l3 and case.no_l3:
+                rows.append(Row(case, host_layout, with_l3, NATIVE, "match", not_run=case.no_l3))
+                continue
             if host_layout in refused:
                 for name in ("native", "elastic-contiguous"):
                     if name in variants:
@@ -228,7 +250,8 @@ def traffic(plan: Plan, vocab_size: int, l3: bool) -> Traffic:
 def server_args(row: Row, port: int, plan: Plan, extra_flags=()) -> list[str]:
     """`sglang.launch_server` arguments: within a group identical for every variant."""
     args = ["--model-path", row.case.model, "--host", "127.0.0.1", "--port", str(port),
-            "--tp-size", str(row.case.tp), "--page-size", str(row.case.page_size or plan.page_size),
+            "--tp-size", str(row.case.tp), *(["--pp-size", str(row.case.pp)] if row.case.pp > 1 else []),
+            "--page-size", str(row.case.page_size or plan.page_size),
             "--max-total-tokens", str(plan.device_tokens), "--enable-hierarchical-cache",
             "--hicache-ratio", str(plan.l3_hicache_ratio if row.l3 else plan.hicache_ratio)]
     if row.host_layout != HOST_LAYOUTS[0]:   # the default stays SGLang's own default

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -56,7 +59,7 @@ def test_every_rows_flags_parse_with_sglangs_parser():
         assert ns.hicache_ratio == (plan.l3_hicache_ratio if row.l3 else plan.hicache_ratio)
         assert ns.hicache_storage_backend == ("file" if row.l3 else None)
         assert ns.hicache_storage_prefetch_policy == ("wait_complete" if row.l3 else "timeout")
-        assert ns.tp_size == row.case.tp and ns.page_size == (1 if row.case.pool == "mla" else plan.page_size)
+        assert ns.tp_size == row.case.tp and ns.pp_size == row.case.pp and ns.page_size == (1 if row.case.pool == "mla" else plan.page_size)
         assert ns.max_total_tokens == plan.device_tokens and ns.skip_tokenizer_init is True
         assert (ns.load_format == "dummy") == row.case.dummy
         assert ns.attention_backend == "triton" and ns.disable_custom_all_reduce is True
@@ -115,8 +118,11 @@ def test_rows_per_pool_kind():
     refused = next(r for r in mamba if r.expect == "refused")
     assert refused.refusal == "Unsupported layout: layer_first"
     assert all(r.variant.name == "native" for r in matrix.build_rows([matrix.CASES["mellum-tiny"]])[:1])
-    only = matrix.build_rows([matrix.CASES["deepseek-v2-tiny"]], l3="only")
+    only = matrix.build_rows([matrix.CASES["qwen2-tiny"]], l3="only")
     assert {r.l3 for r in only} == {True} and {r.host_layout for r in only} == {"page_first"}
+    # a case whose L3 group cannot run natively in reasonable time: one row saying why
+    (mla_l3,) = [r for r in matrix.build_rows([matrix.CASES["deepseek-v2-tiny"]], l3="also") if r.l3]
+    assert mla_l3.variant.name == "native" and "file store" in mla_l3.not_run
 
 
 def test_bad_matrix_input_is_refused_with_what_to_use():
@@ -157,9 +163,9 @@ def test_run_order_starts_every_case_default_layout_first():
 
 
 def test_cases_per_pool_kind():
-    assert [c.name for c in matrix.select_cases(pools=["mha"])] == ["qwen2-tiny", "qwen2-tiny-tp2"]
+    assert [c.name for c in matrix.select_cases(pools=["mha"])] == ["qwen2-tiny", "qwen2-tiny-tp2", "qwen2-tiny-pp2"]
     every = matrix.select_cases(pools=["all"])
-    assert {c.pool for c in every} == set(matrix.POOL_KINDS) and {c.tp for c in every} == {1, 2}
+    assert {c.pool for c in every} == set(matrix.POOL_KINDS) and {(c.tp, c.pp) for c in every} == {(1, 1), (2, 1), (1, 2)}
     assert all(c.dummy for c in every)
     assert {c.pool for c in matrix.select_cases(pools=["all"], case_set="hf")} == set(matrix.POOL_KINDS)
     assert [c.name for c in matrix.select_cases(["mellum-tiny"], ["swa"])] == ["mellum-tiny"]
@@ -267,7 +273,8 @@ def test_scan_log_finds_kvcached_and_the_error_line():
     found = verdict.scan_log(LOG)
     assert len(found["kvcached_lines"]) == 2 and "VirtualKV Cache is allocated" in found["kvcached_lines"][1]
     assert found["error"] == "AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'"
-    assert verdict.scan_log("all good\n") == {"kvcached_lines": [], "error": ""}
+    assert verdict.scan_log("all good\n") == {"kvcached_lines": [], "error": "", "weights_redrawn": False}
+    assert verdict.scan_log(f"x\n{verdict.WEIGHTS_REDRAWN}: 12 tensors\n")["weights_redrawn"]
     mamba = "[kvcached][INFO][t][patches.py:1609] Elastic MambaPool (group_id=1) #slots=32, layout=contig\n"
     assert verdict.scan_log(mamba)["kvcached_lines"]
     assert verdict.scan_log("AssertionError: Unsupported layout: layer_first\n")["error"].startswith("AssertionError")
@@ -439,9 +446,11 @@ def test_patches_state_tracks_every_listed_patch(tmp_path):
 # like SGLang's server (greedy ids, top logprobs, cache details). A prompt seen before is a
 # host hit (a storage hit with --hicache-storage-backend); kvcached on logs its allocation
 # line; the pristine tree with kvcached on dies at its first hit, as 0.5.20 does at the
-# first backup; FAKE_SKEW makes kvcached answers differ.
+# first backup; FAKE_SKEW makes kvcached answers differ. Where SGLang's plugin loader would
+# find the trained-scale weights plugin (its entry point on the path), it prints that
+# plugin's line, as a dummy-weight server does.
 FAKE_SERVER = textwrap.dedent('''
-    import argparse, json, os, sys
+    import argparse, importlib.metadata, json, os, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer
     import sglang
     ap = argparse.ArgumentParser()
@@ -455,6 +464,9 @@ FAKE_SERVER = textwrap.dedent('''
         sys.exit("RuntimeError: no storage directory")
     if elastic:
         print("[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: 4096", flush=True)
+    plugins = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    if any(p.value == "trained_scale_weights:register" for p in plugins):
+        print("trained-scale dummy weights drawn: 42 tensors", file=sys.stderr, flush=True)
     seen = set()
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -522,6 +534,7 @@ def test_runner_end_to_end_against_a_stand_in_server(fake_trees, tmp_path, capsy
     assert verdict.hit_totals(l3)["storage_tokens"] > 0 and verdict.hit_totals(l3)["host_tokens"] == 0
     assert l3["env"]["EXTRA"] == "1" and l3["env"]["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
     assert all(r["start_s"] is not None and Path(r["log"]).exists() for r in report["rows"])
+    assert all(r["dummy"] and r["weights_redrawn"] for r in report["rows"])
     printed = capsys.readouterr().out
     assert "every row as expected" in printed and printed.count("| qwen2-tiny |") == 7
     assert e2e.main(["--table", str(out)]) == 0
@@ -541,6 +554,17 @@ def test_runner_fails_when_kvcached_answers_differ(fake_trees, tmp_path):
     assert any("greedy tokens differ" in p for p in problems)
 
 
+def test_dummy_weight_servers_must_draw_trained_scale_weights(fake_trees, tmp_path, monkeypatch):
+    # without the plugin on their path the servers keep SGLang's 1e-3 weights, whose KV
+    # cache moves no logprob: every row then "matches", and the run must fail
+    monkeypatch.setattr(e2e.matrix, "PLUGIN", tmp_path / "no-plugin")
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert [r["result"] for r in report["rows"]] == ["oracle", "matches native"]
+    assert len(report["problems"]) == 2 and all("trained-scale plugin did not run" in p for p in report["problems"])
+
+
 def test_rows_past_the_deadline_or_without_gpus_are_not_run(fake_trees, tmp_path):
     out = tmp_path / "report.json"
     args = [a for a in fake_trees if a != "qwen2-tiny"]
@@ -550,3 +574,68 @@ def test_rows_past_the_deadline_or_without_gpus_are_not_run(fake_trees, tmp_path
     assert row["outcome"] == "skipped" and row["result"] == "not run: needs 2 GPUs, --gpus names 1"
     assert e2e.main([*fake_trees, "--variants", "native", "--out", str(out), "--deadline", "-1"]) == 0
     assert json.loads(out.read_text())["rows"][0]["result"].startswith("not run: --deadline")
+    args[args.index("--case") + 1] = "deepseek-v2-tiny"
+    assert e2e.main([*args, "--l3", "only", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["outcome"] == "skipped" and row["result"].startswith("not run: page size 1")
+
+
+def test_pipeline_stages_take_a_gpu_each(fake_trees, tmp_path):
+    out = tmp_path / "report.json"
+    args = [a if a != "qwen2-tiny" else "qwen2-tiny-pp2" for a in fake_trees]
+    assert e2e.main([*args, "--variants", "native", "--out", str(out), "--gpus", "0"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["result"] == "not run: needs 2 GPUs, --gpus names 1"
+    assert e2e.main([*args, "--variants", "native", "elastic-contiguous", "--out", str(out), "--gpus", "0,1"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["result"] for r in rows] == ["oracle", "matches native"]
+    for row in rows:
+        assert len(row["gpus"]) == 2 and row["pp"] == 2 and row["tp"] == 1
+        assert row["command"][row["command"].index("--pp-size") + 1] == "2"
+
+
+# The trained-scale weights plugin, loaded by SGLang's own plugin loader from a path entry
+# as the servers get it, then SGLang's dummy initialisation called on a small model.
+PLUGIN_PROBE = textwrap.dedent('''
+    import json, math, sys, torch
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.model_loader import loader
+    load_plugins()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(256, 64) for _ in range(2))
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.zeros(256))
+    model.register_buffer("cache", torch.zeros(8))
+    def draw():
+        with torch.no_grad():
+            loader.initialize_dummy_weights(model)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    first, again = draw(), draw()
+    w0, w1 = first["layers.0.weight"], first["layers.1.weight"]
+    print(json.dumps({
+        "max_abs": [w0.abs().max().item(), w1.abs().max().item()], "std": [w0.std().item(), w1.std().item()],
+        "layers_differ": not torch.equal(w0, w1), "repeatable": all(torch.equal(first[k], again[k]) for k in first),
+        "norm": first["norm.weight"].unique().tolist(), "bias_max": first["layers.0.bias"].abs().max().item(),
+        "cache_max": first["cache"].abs().max().item()}))
+''')
+
+
+@pytest.mark.parametrize("with_plugin", [True, False])
+def test_trained_scale_plugin_redraws_sglangs_dummy_weights(with_plugin):
+    import sglang
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(sglang.__file__)))
+    path = [tree, *([str(matrix.PLUGIN)] if with_plugin else [])]
+    done = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (verdict.WEIGHTS_REDRAWN in done.stderr) == with_plugin
+    if not with_plugin:   # SGLang's own: U(-1e-3, 1e-3), one seed for every tensor
+        assert max(got["max_abs"]) <= 1e-3 and not got["layers_differ"]
+        return
+    bound = math.sqrt(3 / 256)   # unit-variance outputs of a 256-wide input
+    assert all(bound * 0.95 < m <= bound for m in got["max_abs"])
+    assert all(abs(s - bound / math.sqrt(3)) < 0.05 * bound for s in got["std"])
+    assert got["layers_differ"] and got["repeatable"] and got["norm"] == [1.0]
+    # what the plugin leaves alone keeps SGLang's values
+    assert got["bias_max"] <= 1e-3 and got["cache_max"] <= 1e-3

@@ -33,6 +33,7 @@ command and environment, the environment of the run and the patches/ state.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -322,11 +323,13 @@ def environment(opts) -> dict:
 
 
 def read_rows(path: Path, logprob_tol: float) -> list[dict]:
-    """The rows of a report or of a run's journal, judged again from their raw runs."""
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a report or of a run's journal (either gzipped or not), judged again
+    from their raw runs."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    if path.name.removesuffix(".gz").endswith(".jsonl"):
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     else:
-        rows = json.loads(path.read_text())["rows"]
+        rows = json.loads(text)["rows"]
     judge.judge(rows, logprob_tol)
     return rows
 

@@ -639,3 +639,13 @@ def test_trained_scale_plugin_redraws_sglangs_dummy_weights(with_plugin):
     assert got["layers_differ"] and got["repeatable"] and got["norm"] == [1.0]
     # what the plugin leaves alone keeps SGLang's values
     assert got["bias_max"] <= 1e-3 and got["cache_max"] <= 1e-3
+
+
+def test_results_doc_shows_the_committed_reports():
+    # docs/e2e-results.md's tables are what the committed reports say, judged again
+    doc = (e2e.ROOT / "docs" / "e2e-results.md").read_text()
+    reports = sorted((e2e.ROOT / "docs" / "e2e-runs").glob("*.json.gz"))
+    assert reports
+    for report in reports:
+        rows = e2e.read_rows(report, 0.0)
+        assert verdict.markdown_table(rows) in doc, f"{report.name}: its table is not in docs/e2e-results.md"

@@ -21,10 +21,19 @@ with CUDA events after warm-up (JIT compilation outside the timing), the median 
 --reps repetitions, random non-contiguous pages, rotating index sets. It also times a
 large pinned<->device copy, the link's practical limit. Prints a table last and writes
 JSON; bench/plot.py draws it.
+
+MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
+one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as
+SGLang serves EAGLE with a NextN draft: a backup copies all target and draft layers in
+one call; a load runs every target layer, then the draft's (is_draft=True). Native is
+SGLang's own packed path over its dense pools. kvcached 0.1.6 builds every MLA pool in
+one group, where a second MLA pool frees the first's memory (tests/gpu/pools.py,
+own_kvcached_group); the MTP rows build each kvcached MLA pool in a group of its own.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,6 +58,8 @@ MODES = {
 }
 PAGE = 64
 TOKENS = [64, 256, 1024, 4096, 16384, 65536]
+MTP_TOKENS = [4096, 16384, 65536]
+KV_PARTS = ("mha", "mla", "mtp-mha", "mtp-mla")
 SLOTS = [1, 4, 16, 64, 256]
 
 
@@ -111,14 +122,30 @@ def timed_op(nbytes, fn, reps, **fields):
     return timed_row(nbytes, times, kernel_us=kernel_us, **fields)
 
 
-def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_load) -> bool:
-    """Back up device rows `src`, load them into `dst`: dst must then hold src's bytes."""
+def load_all_layers(host, pool, host_indices, device_indices, layers, drafts=()):
+    """What a load is: every target layer, then each packed draft's layer from its own
+    device pool, as SGLang's cache controller issues them."""
+    for layer in range(layers):
+        host.load_to_device_per_layer(pool, host_indices, device_indices, layer, "kernel")
+    for depth, draft in enumerate(drafts):
+        host.load_to_device_per_layer(draft, host_indices, device_indices, layers + depth, "kernel", is_draft=True)
+
+
+def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_load, drafts=()) -> bool:
+    """Back up device rows `src`, load them into `dst`: dst must then hold src's bytes.
+
+    `src` gets fresh random bytes first: after the timed repetitions (which load backed-up
+    rows into the same index sets) it can already hold what a wrong copy reads, and the
+    round trip would then reproduce it."""
     import torch
     from tests.support.roundtrip import as_bytes
+    for v in views:
+        raw = torch.randint(0, 256, (src.numel(), v[0].numel() * v.element_size()), dtype=torch.uint8,
+                            device=v.device)
+        v[src] = raw.view(v.dtype).reshape(src.numel(), *v.shape[1:])
     before = [v[src].clone() for v in views]
     host.backup_from_device_all_layer(pool, host_backup, src, "kernel")
-    for layer in range(layers):
-        host.load_to_device_per_layer(pool, host_load, dst, layer, "kernel")
+    load_all_layers(host, pool, host_load, dst, layers, drafts)
     torch.cuda.synchronize()
     return all(torch.equal(as_bytes(v[dst]), as_bytes(b)) for v, b in zip(views, before))
 
@@ -172,11 +199,12 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
                               mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=nbytes))
         del host, dev
 
-    for part in [p for p in ("mha", "mla") if p in parts]:
+    for part in [p for p in KV_PARTS if p in parts]:
         try:
             rows += kv_part(part, mode, reps, gen)
-        except Exception as exc:  # e.g. kvcached 0.1.6 cannot build per-layer MLA pools
-            rows.append(dict(mode=mode, pool=part.upper(), error=f"{type(exc).__name__}: {exc}"[:300]))
+        except Exception as exc:  # e.g. kvcached 0.1.6's per-layer MLA pool after an MHA pool: both
+            # in kvcached's group 0, the MLA pool gets the MHA pool's tensors (tests/gpu/pools.py)
+            rows.append(dict(mode=mode, pool=kv_part_shape(part)[3], error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
     if "mamba" in parts:
         rows += mamba_part(mode, reps, gen)
@@ -187,44 +215,69 @@ class KVBench:
     """A device KV pool of one model shape, filled with random rows, and what times it.
 
     Sized for the largest batch; on kvcached pools the pages come from its allocator
-    (so they are mapped), on SGLang's own pools they are pages 1..n.
+    (so they are mapped), on SGLang's own pools they are pages 1..n. With `drafts`,
+    that many one-layer MTP draft pools of the same shape and size, packed into the
+    target's host pool; a token has the same index in every pool, so on kvcached the
+    pages are those every pool's allocator handed out.
     """
 
-    def __init__(self, part: str, gen, max_tokens: int = max(TOKENS), interleave: bool = False):
+    def __init__(self, part: str, gen, max_tokens: int = max(TOKENS), interleave: bool = False,
+                 drafts: int = 0):
         import torch
         from sglang.srt.mem_cache import memory_pool as mp
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
         from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
+        if interleave and drafts:
+            raise ValueError("torch-interleaved pools have no MTP draft variant")
         bf = torch.bfloat16
         self.gen, self.part = gen, part
         n_pages = max_tokens // PAGE + 8
         size = (n_pages + 64) * PAGE  # kvcached keeps a few blocks back
         if part == "mha":
-            s = QWEN25_7B
-            self.pool = mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads,
-                                            head_dim=s.head_dim, layer_num=s.layers, device="cuda",
-                                            enable_memory_saver=False)
-            self.views = [*self.pool.k_buffer, *self.pool.v_buffer]
-            self.row_bytes, self.layers = s.kv_heads * s.head_dim * 2 * 2, s.layers
-            self.host_cls = MHATokenToKVPoolHost
+            s, self.host_cls = QWEN25_7B, MHATokenToKVPoolHost
+            self.row_bytes = s.kv_heads * s.head_dim * 2 * 2  # K and V
         else:
-            s = DEEPSEEK_V2_LITE
-            self.pool = mp.MLATokenToKVPool(size=size, page_size=PAGE, dtype=bf, kv_lora_rank=s.kv_lora_rank,
-                                            qk_rope_head_dim=s.qk_rope_head_dim, layer_num=s.layers,
-                                            device="cuda", enable_memory_saver=False)
-            self.views, self.row_bytes, self.layers = list(self.pool.kv_buffer), s.kv_dim * 2, s.layers
-            self.host_cls = MLATokenToKVPoolHost
+            s, self.host_cls = DEEPSEEK_V2_LITE, MLATokenToKVPoolHost
+            self.row_bytes = s.kv_dim * 2
+        self.layers = s.layers
+        group = contextlib.nullcontext
+        if part == "mla" and drafts and hasattr(mp, "ElasticMLATokenToKVPool"):  # kvcached's: one group per pool
+            from tests.gpu.pools import own_kvcached_group as group
+
+        def build(layers):
+            if part == "mha":
+                return mp.MHATokenToKVPool(size=size, page_size=PAGE, dtype=bf, head_num=s.kv_heads,
+                                           head_dim=s.head_dim, layer_num=layers, device="cuda",
+                                           enable_memory_saver=False)
+            with group():
+                return mp.MLATokenToKVPool(size=size, page_size=PAGE, dtype=bf, kv_lora_rank=s.kv_lora_rank,
+                                           qk_rope_head_dim=s.qk_rope_head_dim, layer_num=layers, device="cuda",
+                                           enable_memory_saver=False)
+
+        self.pool = build(s.layers)
+        self.drafts = [build(1) for _ in range(drafts)]
+        self.views = self._views_of(self.pool)
         if interleave:
             self._interleave_layers()
+        self.views += [view for draft in self.drafts for view in self._views_of(draft)]
         if hasattr(self.pool, "kvcached_allocator"):
-            self.pool.kvcached_allocator._wait_post_init()
-            self.pages = torch.tensor(sorted(self.pool.kvcached_allocator.alloc(n_pages)))
+            pages = None
+            for pool in (self.pool, *self.drafts):
+                pool.kvcached_allocator._wait_post_init()
+                handed_out = set(pool.kvcached_allocator.alloc(n_pages))
+                pages = handed_out if pages is None else pages & handed_out
+            if len(pages) < max_tokens // PAGE:
+                raise RuntimeError(f"only {len(pages)} pages mapped in every pool, {max_tokens // PAGE} needed")
+            self.pages = torch.tensor(sorted(pages))
         else:
             self.pages = torch.arange(1, n_pages + 1)
         tokens = (self.pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).cuda()
         for v in self.views:
             v[tokens] = torch.randn((tokens.numel(), *v.shape[1:]), device="cuda").to(v.dtype)
+
+    def _views_of(self, pool):
+        return [*pool.k_buffer, *pool.v_buffer] if self.part == "mha" else list(pool.kv_buffer)
 
     def _interleave_layers(self):
         """Re-point the pool at per-layer views of one buffer, laid out as kvcached's
@@ -248,7 +301,8 @@ class KVBench:
         torch.cuda.empty_cache()
 
     def host_pool(self, layout: str):
-        return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu")
+        return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
+                             mtp_draft_device_pools=self.drafts)
 
     def index_sets(self, host, n_tokens: int):
         """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each."""
@@ -268,33 +322,42 @@ class KVBench:
             host.backup_from_device_all_layer(self.pool, host_bk[i % k], dev[i % k], "kernel")
 
         def load(i):
-            for layer in range(self.layers):
-                host.load_to_device_per_layer(self.pool, host_ld[i % k], dev[i % k], layer, "kernel")
+            load_all_layers(host, self.pool, host_ld[i % k], dev[i % k], self.layers, self.drafts)
 
         def check():
             return loads_back_exactly(host, self.pool, self.views, self.layers,
-                                      dev[0], dev[1], host_bk[0], host_ld[0])
+                                      dev[0], dev[1], host_bk[0], host_ld[0], self.drafts)
 
         return backup, load, check
 
     def release(self):
         import torch
-        del self.pool, self.views
+        del self.pool, self.drafts, self.views
         torch.cuda.empty_cache()
 
 
+def kv_part_shape(part):
+    """(pool kind, MTP drafts, batches, row label) of a KV part: mha / mla, the target's
+    pool alone; mtp-mha / mtp-mla, with one packed MTP draft."""
+    if part.startswith("mtp-"):
+        kind = part[len("mtp-"):]
+        return kind, 1, MTP_TOKENS, f"{kind.upper()}+MTP"
+    return part, 0, TOKENS, part.upper()
+
+
 def kv_part(part, mode, reps, gen):
-    rows, kv = [], KVBench(part, gen)
+    kind, drafts, tokens, label = kv_part_shape(part)
+    rows, kv = [], KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
     for layout in ("layer_first", "page_first"):
         host = kv.host_pool(layout)
-        for n in TOKENS:
+        for n in tokens:
             backup, load, check = kv.calls(host, n)
-            nbytes = n * kv.row_bytes * kv.layers
+            nbytes = n * kv.row_bytes * (kv.layers + drafts)
             for direction, fn in (("backup", backup), ("load", load)):
-                rows.append(timed_op(nbytes, fn, reps, mode=mode, pool=part.upper(), direction=direction,
+                rows.append(timed_op(nbytes, fn, reps, mode=mode, pool=label, direction=direction,
                                      host_layout=layout, batch=n))
             if n == 4096:  # the timed path must also be the right one
-                rows.append(dict(mode=mode, pool=part.upper(), host_layout=layout, batch=n,
+                rows.append(dict(mode=mode, pool=label, host_layout=layout, batch=n,
                                  byte_exact=check()))
         host.destroy()
     kv.release()
@@ -415,12 +478,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--parts", default="link,mha,mla,mamba")
+    ap.add_argument("--parts", default="link,mha,mla,mamba",
+                    help=f"any of link,{','.join(KV_PARTS)},mamba (mtp-*: target + one packed MTP draft)")
     ap.add_argument("--modes", default=",".join(VARIANTS), help=f"any of {','.join(MODES)}")
     ap.add_argument("--native-sglang", help="python/ folder of an unpatched SGLang 0.5.20, for the native variant")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.parts.split(",")
+    unknown = sorted(set(parts) - {"link", *KV_PARTS, "mamba"})
+    if unknown:
+        ap.error(f"--parts: unknown {','.join(unknown)} (any of link,{','.join(KV_PARTS)},mamba)")
     if args.child:
         json.dump(child(args.child, args.reps, parts), sys.stdout)
         return

@@ -3,8 +3,9 @@
 # kvcached 0.1.6 are installed into /tmp/site: keep a pristine copy of SGLang for the benchmark's native
 # variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
-#   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_TRIPS)
-#   bench      bench/transfer_bench.py, native = the pristine copy
+#   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_PARTS, $GPU_TESTS, $GPU_TRIPS:
+#              tests/gpu/run_tier.sh)
+#   bench      bench/transfer_bench.py, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
 #   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case 'mha*')

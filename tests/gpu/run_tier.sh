@@ -11,16 +11,17 @@ mkdir -p "$(dirname "$GPU_RESULTS")"
 status=0
 # A GDN state cell (over 2 MiB) needs 4 MiB kvcached pages; kvcached 0.1.6's per-layer
 # MLA views fail to build with them, so KV pools keep the default page size.
-# GPU_LAYOUTS and GPU_PARTS (kv, mamba) narrow a run.
+# GPU_LAYOUTS, GPU_PARTS (kv, mamba) and GPU_TESTS (test files, default all of tests/gpu)
+# narrow a run.
 for contiguous in ${GPU_LAYOUTS:-true false}; do
   echo "== kvcached KVCACHED_CONTIGUOUS_LAYOUT=$contiguous"
   if [[ " ${GPU_PARTS:-kv mamba} " == *" kv "* ]]; then
     KVCACHED_CONTIGUOUS_LAYOUT=$contiguous KVCACHED_PAGE_SIZE_MB=2 \
-      python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not mamba" "$@" || status=1
+      python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -k "not mamba" "$@" || status=1
   fi
   if [[ " ${GPU_PARTS:-kv mamba} " == *" mamba "* ]]; then
     KVCACHED_CONTIGUOUS_LAYOUT=$contiguous KVCACHED_PAGE_SIZE_MB=4 \
-      python3 -m pytest -q -p no:cacheprovider tests/gpu -k "mamba" "$@" || status=1
+      python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -k "mamba" "$@" || status=1
   fi
 done
 exit $status

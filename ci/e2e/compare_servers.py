@@ -162,7 +162,8 @@ class Runner:
 
     def record(self, row: matrix.Row) -> dict:
         return {"key": row.key, "group": row.group, "case": row.case.name, "model": row.case.model,
-                "pool": row.case.pool, "tp": row.case.tp, "pp": row.case.pp, "variant": row.variant.name, "tree": row.variant.tree,
+                "pool": row.case.pool, "tp": row.case.tp, "pp": row.case.pp,
+                "variant": row.variant.name, "tree": row.variant.tree,
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
                 "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy}
 

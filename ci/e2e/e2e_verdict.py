@@ -12,8 +12,12 @@ import re
 # kvcached 0.1.6 logs one of these when it builds an elastic pool or allocator
 KVCACHED_SERVED = re.compile(
     r"VirtualKV Cache is allocated|Elastic MambaPool|Elastic\w*Allocator in use")
-# what ci/e2e/plugin/trained_scale_weights.py prints when it draws a dummy model's weights
+# what ci/e2e/plugin/trained_scale_weights.py prints, once per rank, when it draws a dummy
+# model's weights: "trained-scale dummy weights drawn: <count> tensors (tp rank <r>)"
 WEIGHTS_REDRAWN = "trained-scale dummy weights drawn"
+WEIGHTS_COUNT = re.compile(re.escape(WEIGHTS_REDRAWN) + r": (\d+) tensors")
+# how the pristine tree fails where the series fixes it: at the first backup, while serving
+PRISTINE_FAILS_SERVING = "died serving"
 # the line a Python traceback ends with, e.g. "AttributeError: 'X' object has no attribute 'y'"
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception)\b.*$")
 
@@ -36,17 +40,18 @@ def summarize(response: dict) -> dict:
 
 
 def scan_log(text: str) -> dict:
-    """kvcached's allocation lines, the last error line of a server log, and whether
-    the dummy weights were drawn at a trained model's scale."""
-    served = []
-    error = ""
+    """kvcached's allocation lines, the error lines of a server log (`error`: the first,
+    the cause where one process's failure takes the others down), and the tensor counts
+    of the trained-scale weights plugin, one per rank that drew them."""
+    served, errors = [], []
     for line in text.splitlines():
         if KVCACHED_SERVED.search(line) and line not in served:
             served.append(line.strip())
         stripped = line.strip()
-        if ERROR_LINE.match(stripped):
-            error = stripped
-    return {"kvcached_lines": served[:6], "error": error, "weights_redrawn": WEIGHTS_REDRAWN in text}
+        if ERROR_LINE.match(stripped) and stripped not in errors:
+            errors.append(stripped)
+    return {"kvcached_lines": served[:6], "error": errors[0] if errors else "", "errors": errors[:6],
+            "weights_redrawn": [int(m.group(1)) for m in WEIGHTS_COUNT.finditer(text)]}
 
 
 HIT_KINDS = ("device_tokens", "host_tokens", "storage_tokens")
@@ -138,9 +143,13 @@ def verdict(expect: str, run: dict, native: dict | None, logprob_tol: float, ref
     if native is None or native["outcome"] != "served":
         return f"{outcome} (no native run to compare)", ["no served native run in this group"]
     if outcome != "served":
-        if expect == "fail":
+        if expect == "fail" and outcome == PRISTINE_FAILS_SERVING:
             return f"fails as expected: {error or outcome}", []
-        return f"{outcome}: {error}", [f"{outcome}: {error or 'no error line in its log'}"]
+        why = error or "no error line in its log"
+        if expect == "fail":   # it never reached a backup: it shows nothing of what the series fixes
+            return f"{outcome}: {why}", [f"pristine row {outcome} ({why}): the failure the series fixes "
+                                         "happens at the first backup, while serving"]
+        return f"{outcome}: {why}", [f"{outcome}: {why}"]
     problems = [] if run.get("kvcached_lines") else ["no kvcached allocation in its log: kvcached did not serve"]
     if expect == "fail":
         wrong = output_differences(native["passes"], run["passes"], logprob_tol)
@@ -155,6 +164,23 @@ def verdict(expect: str, run: dict, native: dict | None, logprob_tol: float, ref
                                              "the failure the series fixes"]
     differences = compare(native["passes"], run["passes"], logprob_tol)
     return ("matches native" if not differences else "differs from native"), problems + differences
+
+
+def weights_problems(run: dict, native: dict | None) -> list[str]:
+    """A served dummy-weight run must have drawn trained-scale weights on every rank
+    (SGLang's own 1e-3 weights leave the KV cache without effect on any logprob, so a
+    match would prove nothing), as many tensors as its native run."""
+    counts = run.get("weights_redrawn") or []
+    ranks = run.get("tp", 1) * run.get("pp", 1)
+    if isinstance(counts, bool):
+        return ["this report records whether the trained-scale plugin ran, not its tensor count per rank"]
+    if len(counts) != ranks or not all(counts):
+        return [f"dummy weights at SGLang's 1e-3 scale on some rank: the trained-scale plugin drew {counts} "
+                f"tensors, one positive count per rank expected ({ranks} ranks)"]
+    if native is not None and native is not run and native.get("outcome") == "served" \
+            and sorted(native.get("weights_redrawn") or []) != sorted(counts):
+        return [f"the trained-scale plugin drew {counts} tensors, native {native.get('weights_redrawn')}"]
+    return []
 
 
 def judge(rows: list[dict], logprob_tol: float) -> list[str]:
@@ -173,9 +199,8 @@ def judge(rows: list[dict], logprob_tol: float) -> list[str]:
                 result = "oracle" if not problems else "native failed"
         else:
             result, problems = verdict(r["expect"], r, native, logprob_tol, r.get("refusal", ""))
-        if r.get("dummy") and r["outcome"] == "served" and not r.get("weights_redrawn"):
-            # SGLang's own 1e-3 dummy weights: the KV cache moves no logprob, so a match proves nothing
-            problems = problems + ["dummy weights at SGLang's 1e-3 scale: the trained-scale plugin did not run"]
+        if r.get("dummy") and r["outcome"] == "served":
+            problems = problems + weights_problems(r, native)
         r["result"], r["problems"] = result, problems
         everything += [f"{r['key']}: {p}" for p in problems]
     return everything
@@ -189,7 +214,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         hits = hit_totals(r) if r["outcome"] == "served" else None
         lines.append("| " + " | ".join([
-            r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""), r["kvcached"] or "off (native)", r["tree"], r["host_layout"],
+            r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""),
+            r["kvcached"] or "off (native)", r["tree"], r["host_layout"],
             "file" if r["l3"] else "-", r["result"],
             f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
             f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",

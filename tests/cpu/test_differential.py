@@ -123,3 +123,17 @@ def test_comparison_lists_what_only_the_patched_tree_adds_without_failing():
     differences = compare.compare(_document(), document)
     assert not differences.first and differences.added == {"scalars.kv.host.stride"}
     assert not compare.compare(_document(), _document()).first
+
+
+def test_gpu_results_in_the_docs_are_the_committed_runs():
+    # docs/differential.md's GPU table is what the committed runner outcomes say
+    import gzip
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    runs = {name: json.loads(gzip.decompress((root / "docs" / "differential-runs" /
+                                              f"2026-11-30-h200-{name}.json.gz").read_bytes()))
+            for name in ("pristine", "patched")}
+    assert all(run["device"] == "cuda" for run in runs.values())
+    assert compare.compare(runs["pristine"], runs["patched"]).first == []
+    assert compare.summary_table(runs["pristine"], runs["patched"]) in (root / "docs" / "differential.md").read_text()

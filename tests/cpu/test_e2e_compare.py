@@ -273,8 +273,13 @@ def test_scan_log_finds_kvcached_and_the_error_line():
     found = verdict.scan_log(LOG)
     assert len(found["kvcached_lines"]) == 2 and "VirtualKV Cache is allocated" in found["kvcached_lines"][1]
     assert found["error"] == "AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'"
-    assert verdict.scan_log("all good\n") == {"kvcached_lines": [], "error": "", "weights_redrawn": False}
-    assert verdict.scan_log(f"x\n{verdict.WEIGHTS_REDRAWN}: 12 tensors\n")["weights_redrawn"]
+    assert verdict.scan_log("all good\n") == {"kvcached_lines": [], "error": "", "errors": [], "weights_redrawn": []}
+    two_ranks = f"x\n{verdict.WEIGHTS_REDRAWN}: 12 tensors (tp rank 0)\n{verdict.WEIGHTS_REDRAWN}: 11 tensors (tp rank 1)\n"
+    assert verdict.scan_log(two_ranks)["weights_redrawn"] == [12, 11]
+    # the first error line is the cause; a peer's error after it is kept, not shown
+    chain = "AttributeError: 'X' object has no attribute 'k_data_ptrs'\nRuntimeError: Connection closed by peer\n"
+    assert verdict.scan_log(chain)["error"].startswith("AttributeError")
+    assert verdict.scan_log(chain)["errors"][1].startswith("RuntimeError")
     mamba = "[kvcached][INFO][t][patches.py:1609] Elastic MambaPool (group_id=1) #slots=32, layout=contig\n"
     assert verdict.scan_log(mamba)["kvcached_lines"]
     assert verdict.scan_log("AssertionError: Unsupported layout: layer_first\n")["error"].startswith("AssertionError")
@@ -347,6 +352,12 @@ def test_pristine_failure_is_recorded_not_an_error():
     result, problems = verdict.verdict("fail", elsewhere, native, 0.0)
     assert result.startswith("inconclusive") and "does not show the failure" in problems[0]
     assert "pass2 prompt 0: 448 device tokens, native 0" in problems[0]
+    # dying before any backup (out of memory at startup, never ready) shows nothing of it
+    for outcome, error in (("died at startup", "RuntimeError: CUDA: out of memory"), ("not ready", "")):
+        result, problems = verdict.verdict("fail", run(outcome=outcome, error=error), native, 0.0)
+        assert result.startswith(outcome) and "happens at the first backup" in problems[0]
+    assert verdict.verdict("match", run(outcome="not ready", error=""), native, 0.0)[0] == \
+        "not ready: no error line in its log"
 
 
 def test_refusals():
@@ -457,6 +468,8 @@ FAKE_SERVER = textwrap.dedent('''
     ap.add_argument("--port", type=int)
     ap.add_argument("--page-size", type=int)
     ap.add_argument("--hicache-storage-backend")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--pp-size", type=int, default=1)
     args, _ = ap.parse_known_args()
     elastic = os.environ["ENABLE_KVCACHED"] == "true"
     store = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
@@ -466,7 +479,9 @@ FAKE_SERVER = textwrap.dedent('''
         print("[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: 4096", flush=True)
     plugins = importlib.metadata.entry_points(group="sglang.srt.plugins")
     if any(p.value == "trained_scale_weights:register" for p in plugins):
-        print("trained-scale dummy weights drawn: 42 tensors", file=sys.stderr, flush=True)
+        for rank in range(args.tp_size * args.pp_size):
+            print(f"trained-scale dummy weights drawn: {os.environ.get('FAKE_TENSORS', '42')} tensors", file=sys.stderr,
+                  flush=True)
     seen = set()
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -534,7 +549,7 @@ def test_runner_end_to_end_against_a_stand_in_server(fake_trees, tmp_path, capsy
     assert verdict.hit_totals(l3)["storage_tokens"] > 0 and verdict.hit_totals(l3)["host_tokens"] == 0
     assert l3["env"]["EXTRA"] == "1" and l3["env"]["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
     assert all(r["start_s"] is not None and Path(r["log"]).exists() for r in report["rows"])
-    assert all(r["dummy"] and r["weights_redrawn"] for r in report["rows"])
+    assert all(r["dummy"] and r["weights_redrawn"] == [42] for r in report["rows"])
     printed = capsys.readouterr().out
     assert "every row as expected" in printed and printed.count("| qwen2-tiny |") == 7
     assert e2e.main(["--table", str(out)]) == 0
@@ -562,7 +577,16 @@ def test_dummy_weight_servers_must_draw_trained_scale_weights(fake_trees, tmp_pa
     assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "--out", str(out)]) == 1
     report = json.loads(out.read_text())
     assert [r["result"] for r in report["rows"]] == ["oracle", "matches native"]
-    assert len(report["problems"]) == 2 and all("trained-scale plugin did not run" in p for p in report["problems"])
+    assert len(report["problems"]) == 2 and all("1e-3 scale" in p for p in report["problems"])
+
+
+def test_every_rank_must_draw_trained_scale_weights_as_native_did():
+    native = {"outcome": "served", "tp": 2, "pp": 1, "weights_redrawn": [30, 30]}
+    assert verdict.weights_problems(native, native) == []
+    for counts in ([30], [30, 0], []):   # a rank without the plugin's line, or that drew nothing
+        assert "1e-3 scale" in verdict.weights_problems({**native, "weights_redrawn": counts}, native)[0]
+    assert "native [30, 30]" in verdict.weights_problems({**native, "weights_redrawn": [30, 29]}, native)[0]
+    assert "not its tensor count" in verdict.weights_problems({**native, "weights_redrawn": True}, native)[0]
 
 
 def test_rows_past_the_deadline_or_without_gpus_are_not_run(fake_trees, tmp_path):
@@ -589,55 +613,67 @@ def test_pipeline_stages_take_a_gpu_each(fake_trees, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["result"] for r in rows] == ["oracle", "matches native"]
     for row in rows:
-        assert len(row["gpus"]) == 2 and row["pp"] == 2 and row["tp"] == 1
+        assert len(set(row["gpus"])) == 2 and row["pp"] == 2 and row["tp"] == 1
         assert row["command"][row["command"].index("--pp-size") + 1] == "2"
 
 
 # The trained-scale weights plugin, loaded by SGLang's own plugin loader from a path entry
-# as the servers get it, then SGLang's dummy initialisation called on a small model.
+# as the servers get it, then SGLang's dummy initialisation called on a small model (a
+# linear layer per "layer", 3-D MoE experts, an fp8 weight with its scale, a norm, a bias
+# and a buffer), once as rank 0 and once as tensor-parallel rank 1.
 PLUGIN_PROBE = textwrap.dedent('''
-    import json, math, sys, torch
+    import json, sys, torch
     from sglang.srt.plugins import load_plugins
     from sglang.srt.model_loader import loader
+    import trained_scale_weights
     load_plugins()
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(torch.nn.Linear(256, 64) for _ in range(2))
+    model.experts = torch.nn.Module()
+    model.experts.w13_weight = torch.nn.Parameter(torch.zeros(4, 64, 128))
+    model.quant = torch.nn.Module()
+    model.quant.weight = torch.nn.Parameter(torch.zeros(64, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
+    model.quant.weight_scale = torch.nn.Parameter(torch.zeros(1))
     model.norm = torch.nn.Module()
     model.norm.weight = torch.nn.Parameter(torch.zeros(256))
     model.register_buffer("cache", torch.zeros(8))
-    def draw():
+    def draw(rank):
+        trained_scale_weights.tensor_parallel_rank = lambda: rank
         with torch.no_grad():
             loader.initialize_dummy_weights(model)
-        return {k: v.clone() for k, v in model.state_dict().items()}
-    first, again = draw(), draw()
-    w0, w1 = first["layers.0.weight"], first["layers.1.weight"]
+        return {k: v.clone().float() for k, v in model.state_dict().items()}
+    first, again, rank1 = draw(0), draw(0), draw(1)
+    w = [first["layers.0.weight"], first["layers.1.weight"], first["experts.w13_weight"], first["quant.weight"]]
     print(json.dumps({
-        "max_abs": [w0.abs().max().item(), w1.abs().max().item()], "std": [w0.std().item(), w1.std().item()],
-        "layers_differ": not torch.equal(w0, w1), "repeatable": all(torch.equal(first[k], again[k]) for k in first),
-        "norm": first["norm.weight"].unique().tolist(), "bias_max": first["layers.0.bias"].abs().max().item(),
-        "cache_max": first["cache"].abs().max().item()}))
+        "max_abs": [t.abs().max().item() for t in w], "std": [t.std().item() for t in w],
+        "layers_differ": not torch.equal(w[0], w[1]), "repeatable": all(torch.equal(first[k], again[k]) for k in first),
+        "ranks_differ": [k for k in first if not torch.equal(first[k], rank1[k])],
+        "ones": {k: first[k].unique().tolist() for k in ("norm.weight", "quant.weight_scale")},
+        "bias_max": first["layers.0.bias"].abs().max().item(), "cache_max": first["cache"].abs().max().item()}))
 ''')
 
 
-@pytest.mark.parametrize("with_plugin", [True, False])
-def test_trained_scale_plugin_redraws_sglangs_dummy_weights(with_plugin):
+def test_trained_scale_plugin_redraws_sglangs_dummy_weights():
     import sglang
 
     tree = os.path.dirname(os.path.dirname(os.path.abspath(sglang.__file__)))
-    path = [tree, *([str(matrix.PLUGIN)] if with_plugin else [])]
     done = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(matrix.PLUGIN)]),
+                               "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (verdict.WEIGHTS_REDRAWN in done.stderr) == with_plugin
-    if not with_plugin:   # SGLang's own: U(-1e-3, 1e-3), one seed for every tensor
-        assert max(got["max_abs"]) <= 1e-3 and not got["layers_differ"]
-        return
-    bound = math.sqrt(3 / 256)   # unit-variance outputs of a 256-wide input
-    assert all(bound * 0.95 < m <= bound for m in got["max_abs"])
-    assert all(abs(s - bound / math.sqrt(3)) < 0.05 * bound for s in got["std"])
-    assert got["layers_differ"] and got["repeatable"] and got["norm"] == [1.0]
-    # what the plugin leaves alone keeps SGLang's values
+    # one line per draw, with its count: 2 linear + experts + fp8 weight + its scale + norm
+    assert verdict.scan_log(done.stderr)["weights_redrawn"] == [6, 6, 6]
+    # unit-variance outputs: U(-b, b), b = sqrt(3 / fan_in), fan_in the last dimension
+    for bound, top, std in zip([math.sqrt(3 / 256)] * 2 + [math.sqrt(3 / 128), math.sqrt(3 / 256)],
+                               got["max_abs"], got["std"]):
+        assert bound * 0.9 < top <= bound * 1.07   # fp8 rounds up to about 6 %
+        assert abs(std - bound / math.sqrt(3)) < 0.08 * bound
+    assert got["layers_differ"] and got["repeatable"] and got["ones"] == {"norm.weight": [1.0],
+                                                                       "quant.weight_scale": [1.0]}
+    # another tensor-parallel rank holds other values of every drawn matrix
+    assert sorted(got["ranks_differ"]) == ["experts.w13_weight", "layers.0.weight", "layers.1.weight", "quant.weight"]
+    # what the plugin leaves alone keeps SGLang's U(-1e-3, 1e-3) values
     assert got["bias_max"] <= 1e-3 and got["cache_max"] <= 1e-3
 
 
@@ -649,3 +685,29 @@ def test_results_doc_shows_the_committed_reports():
     for report in reports:
         rows = e2e.read_rows(report, 0.0)
         assert verdict.markdown_table(rows) in doc, f"{report.name}: its table is not in docs/e2e-results.md"
+
+
+def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
+    # the container sees the plugin folder (read-only) and has it on its PYTHONPATH
+    started = []
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def __init__(self, command, **kwargs):
+            started.append(command)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", Exited)
+    monkeypatch.setattr(e2e, "stop", lambda process: None)
+    opts = e2e.options(["--launcher", "docker", "--case", "qwen2-tiny", "--out", str(tmp_path / "r.json"),
+                        "--ready-timeout", "1"])
+    runner = e2e.Runner(opts, matrix.Plan())
+    row = matrix.build_rows([matrix.CASES["qwen2-tiny"]], ["page_first"], ["native"])[0]
+    result = runner.serve(row, 0)
+    (command,) = started
+    plugin = str(matrix.PLUGIN)
+    assert result["outcome"] == "died at startup" and result["env"]["PYTHONPATH"] == plugin
+    assert f"{plugin}:{plugin}:ro" in command and f"PYTHONPATH={plugin}" in command

@@ -48,10 +48,3 @@ def record(**row):
 def trips():
     return TRIPS
 
-
-# kvcached 0.1.6 cannot build an MLA pool in its per-layer layout on the H200
-# (RuntimeError: shape [..., 1, 576] is invalid, interfaces.py:196), before SGLang is
-# involved. Strict: the day it can, the test must run instead.
-kvcached_builds_no_per_layer_mla = pytest.mark.xfail(
-    LAYOUT == "per-layer", raises=RuntimeError, strict=True,
-    reason="kvcached 0.1.6 fails to build per-layer MLA pools (interfaces.py:196)")

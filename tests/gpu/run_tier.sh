@@ -9,8 +9,8 @@ cd "$root"
 export GPU_RESULTS=${GPU_RESULTS:-$root/build/gpu-results.jsonl}
 mkdir -p "$(dirname "$GPU_RESULTS")"
 status=0
-# A GDN state cell (over 2 MiB) needs 4 MiB kvcached pages; kvcached 0.1.6's per-layer
-# MLA views fail to build with them, so KV pools keep the default page size.
+# A GDN state cell (over 2 MiB) needs 4 MiB kvcached pages; KV pools keep kvcached's
+# default 2 MiB pages.
 # GPU_LAYOUTS, GPU_PARTS (kv, mamba) and GPU_TESTS (test files, default all of tests/gpu)
 # narrow a run.
 for contiguous in ${GPU_LAYOUTS:-true false}; do

@@ -18,8 +18,8 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.runtime_context import reset_context
-from tests.gpu.conftest import kvcached_builds_no_per_layer_mla, record
-from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool
+from tests.gpu.conftest import record
+from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support import controller as ctl
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
@@ -35,7 +35,7 @@ def controller_trips(trips):
 
 def kv_pool(kind, layers=None):
     if kind == "MLA":
-        return mla_pool(DEEPSEEK_V2_LITE)
+        return mla_pool_of_its_own(DEEPSEEK_V2_LITE)
     return mha_pool(QWEN25_7B if kind == "MHA" else QWEN35_4B, layers)
 
 
@@ -84,7 +84,6 @@ def test_mha_qwen25_7b_through_the_controller(host_layout, controller_trips):
            trips=controller_trips, result="pass", seconds=round(seconds, 1))
 
 
-@kvcached_builds_no_per_layer_mla
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_mla_deepseek_v2_lite_through_the_controller(host_layout, controller_trips):
     controller, seconds = run("MLA", host_layout, controller_trips)

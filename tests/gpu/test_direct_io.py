@@ -17,8 +17,8 @@ from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from tests.gpu.conftest import kvcached_builds_no_per_layer_mla, record
-from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool
+from tests.gpu.conftest import record
+from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import RoundTrip, fill_random, mha_families, mla_families, pages_to_rows, poison
 
@@ -67,10 +67,9 @@ def test_mha_direct(layout, trips):
     kv_trips("MHA Qwen2.5-7B", pool, host, mha_families(pool, host), layout, trips)
 
 
-@kvcached_builds_no_per_layer_mla
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 def test_mla_direct(layout, trips):
-    pool = mla_pool(DEEPSEEK_V2_LITE)
+    pool = mla_pool_of_its_own(DEEPSEEK_V2_LITE)
     if layout == "page_first_direct" and not page_first_direct_is_served(pool.kv_buffer):
         with pytest.raises(ValueError, match="page_first_direct"):
             MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")

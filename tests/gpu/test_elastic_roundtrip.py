@@ -15,8 +15,8 @@ import torch
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from tests.gpu.conftest import kvcached_builds_no_per_layer_mla, record
-from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool
+from tests.gpu.conftest import record
+from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import RoundTrip, fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
@@ -55,11 +55,10 @@ def test_mha_qwen25_7b(layout, trips):
     run_kv_roundtrip("MHA Qwen2.5-7B", mha_pool(QWEN25_7B), MHATokenToKVPoolHost, mha_families, trips, layout)
 
 
-@kvcached_builds_no_per_layer_mla
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mla_deepseek_v2_lite(layout, trips):
-    run_kv_roundtrip("MLA DeepSeek-V2-Lite", mla_pool(DEEPSEEK_V2_LITE), MLATokenToKVPoolHost, mla_families,
-                     trips, layout)
+    run_kv_roundtrip("MLA DeepSeek-V2-Lite", mla_pool_of_its_own(DEEPSEEK_V2_LITE), MLATokenToKVPoolHost,
+                     mla_families, trips, layout)
 
 
 @pytest.mark.parametrize("model", [QWEN35_4B, QWEN3_NEXT_80B], ids=lambda m: m.name)

@@ -161,7 +161,8 @@ def test_draft_in_a_sidecar_host_pool(kind, trips):
 
 # Last in the module: it builds two MLA pools in kvcached's group 0, which replaces what
 # that group held (earlier tests' pools); it touches no memory of either pool.
-@pytest.mark.xfail(strict=True, reason="kvcached 0.1.6 builds every elastic MLA pool in group 0 "
+@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError),  # per-layer: the second build fails
+                   reason="kvcached 0.1.6 builds every elastic MLA pool in group 0 "
                                        "(integration/sglang/patches.py:1185-1212 pass no group id)")
 def test_kvcached_gives_an_mla_draft_pool_a_group_of_its_own():
     target, draft = mla_pool(DEEPSEEK_V2_LITE), mla_pool(DEEPSEEK_V2_LITE, layers=1)

@@ -137,3 +137,28 @@ def test_gpu_results_in_the_docs_are_the_committed_runs():
     assert all(run["device"] == "cuda" for run in runs.values())
     assert compare.compare(runs["pristine"], runs["patched"]).first == []
     assert compare.summary_table(runs["pristine"], runs["patched"]) in (root / "docs" / "differential.md").read_text()
+
+
+def test_gpu_runner_unregisters_what_a_case_left_pinned(monkeypatch):
+    # --real-kernels notes every buffer SGLang pins and unregisters, after each case,
+    # what no destroy() released (a host pool whose constructor raised after pinning)
+    import torch
+    from sglang.srt.mem_cache.pool_host import common
+
+    from tests.support.differential import kernels
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(common, "_cuda_host_register", lambda buffer, *a, **k: calls.append(("register", buffer)))
+    monkeypatch.setattr(common, "_cuda_host_unregister", lambda buffer: calls.append(("unregister", buffer)))
+    monkeypatch.setattr(kernels, "_registered", [])
+    kernels.real()
+    left, released = torch.zeros(4), torch.zeros(8)
+    common._cuda_host_register(left)
+    common._cuda_host_register(released)
+    kernels.release_host_memory()
+    assert calls == [("register", left), ("register", released), "synchronize",
+                     ("unregister", released), ("unregister", left)]
+    kernels.release_host_memory()   # nothing left: no second unregister
+    assert len(calls) == 5

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.models import GPT_OSS_20B, QWEN35_4B
+from tests.support.models import DEEPSEEK_V2_LITE, GPT_OSS_20B, QWEN35_4B
 
 GPU_BYTES = 80 * 10**9  # an 80 GB card
 KVCACHED_PAGE = 2 << 20
@@ -37,6 +37,21 @@ def kv_pool(layout, *, size, layers, heads, head_dim, dtype=torch.bfloat16):
     nbytes = lambda views: sum(t.numel() for t in views) * dtype.itemsize
     return SimpleNamespace(k_buffer=k, v_buffer=v, size=size, page_size=PAGE,
                            get_kv_size_bytes=lambda: (nbytes(k), nbytes(v)))
+
+
+def mla_pool(layout, *, size, layers, kv_dim, dtype=torch.bfloat16):
+    """An MLA device pool (one kv_buffer view per layer) as SGLang or kvcached would shape it."""
+    rows = size + PAGE
+    if layout != "native":
+        per_layer = GPU_BYTES // layers // KVCACHED_PAGE * KVCACHED_PAGE
+        rows = per_layer // (PAGE * kv_dim * dtype.itemsize) * PAGE
+    if layout == "kvcached-contiguous":
+        whole = torch.empty((rows, layers, 1, kv_dim), dtype=dtype, device="meta")
+        kv = [whole[:, l] for l in range(layers)]
+    else:
+        kv = [torch.empty((rows, 1, kv_dim), dtype=dtype, device="meta") for _ in range(layers)]
+    return SimpleNamespace(kv_buffer=kv, size=size, page_size=PAGE,
+                           get_kv_size_bytes=lambda: sum(t.numel() for t in kv) * dtype.itemsize)
 
 
 def mamba_pool(model, slots):
@@ -94,3 +109,36 @@ def test_zero_bytes_do_not_divide_by_zero(split):
 def test_shares_add_up_to_the_budget(split):
     shares = split(7, qwen35_pools("kvcached-contiguous"))
     assert math.fsum(shares) == 7
+
+
+@pytest.mark.parametrize("layout", ["kvcached-contiguous", "kvcached-per-layer"])
+def test_mla_beside_mamba_split_equals_native(split, layout):
+    """Hybrid linear-attention models whose full-attention layers are MLA (Kimi-Linear's
+    kind) put an MLA pool (kv_buffer, no k_buffer) beside the Mamba pool."""
+    m = DEEPSEEK_V2_LITE
+    pools = lambda kind: (mla_pool(kind, size=200_000, layers=8, kv_dim=m.kv_dim), mamba_pool(QWEN35_4B, slots=64))
+    assert split(14, pools(layout)) == pytest.approx(split(14, pools("native")), rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["kvcached-contiguous", "kvcached-per-layer"])
+def test_one_attention_layer_split_equals_native(split, layout):
+    """A pool of a single layer (a pipeline stage with one full-attention layer) is
+    counted by the rows it serves like any other."""
+    m = QWEN35_4B
+    pools = lambda kind: (kv_pool(kind, size=200_000, layers=1, heads=m.kv_heads, head_dim=m.head_dim),
+                          mamba_pool(m, slots=64))
+    assert split(14, pools(layout)) == pytest.approx(split(14, pools("native")), rel=1e-12)
+
+
+def test_three_pools_share_by_their_bytes(split):
+    """Full attention, sliding window and Mamba (the hybrid SWA + Mamba builder): every
+    pool gets its share, the last the remainder."""
+    m = QWEN35_4B
+    full = kv_pool("kvcached-contiguous", size=300_000, layers=4, heads=m.kv_heads, head_dim=m.head_dim)
+    window = kv_pool("kvcached-contiguous", size=40_000, layers=4, heads=m.kv_heads, head_dim=m.head_dim)
+    mamba = mamba_pool(m, slots=64)
+    row = m.kv_heads * m.head_dim * 2 * 2 * 4  # K and V, bf16, 4 layers
+    weights = [(300_000 + PAGE) * row, (40_000 + PAGE) * row, mamba.get_kv_size_bytes()]
+    shares = split(30, (full, window, mamba))
+    assert shares == pytest.approx([30 * w / sum(weights) for w in weights], rel=1e-12)
+    assert math.fsum(shares) == 30

@@ -21,8 +21,8 @@ TEMPORAL_SHAPE = (2, 16, 16)     # 2048 B
 PAGE_BYTES = 64 << 10
 
 
-def build(host_modules, layout, host_layout="page_first"):
-    pool = mamba_pool(layout, slots=SLOTS, layers=LAYERS, conv_shapes=CONV_SHAPES,
+def build(host_modules, layout, host_layout="page_first", layers=LAYERS):
+    pool = mamba_pool(layout, slots=SLOTS, layers=layers, conv_shapes=CONV_SHAPES,
                       temporal_shape=TEMPORAL_SHAPE, page_bytes=PAGE_BYTES)
     host = host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu", layout=host_layout)
     return pool, host
@@ -37,6 +37,25 @@ def test_host_pool_sees_the_model_geometry(host_modules, layout):
     expected = LAYERS * (math.prod(CONV_SHAPES[0]) * 2 + math.prod(TEMPORAL_SHAPE) * 4)
     assert host.size_per_token == native.size_per_token == expected
     assert host.size == native.size
+
+
+def test_a_pool_of_one_mamba_layer(host_modules):
+    """A pipeline stage may hold a single linear-attention layer: its host pool reads the
+    state geometry from that layer alone and copies it byte for byte."""
+    pool, host = build(host_modules, "kvcached-contiguous", layers=1)
+    assert (tuple(host.temporal_state_shape), [tuple(s) for s in host.conv_state_shapes]) == (
+        TEMPORAL_SHAPE, CONV_SHAPES)
+    assert (host.temporal_dtype, host.conv_dtype) == (torch.float32, torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    fams = mamba_families(pool, host)
+    used = list(range(1, SLOTS + 1))
+    fill_random(fams, torch.tensor(used), generator)
+    for buffer in (host.temporal_buffer, *host.conv_buffer):
+        poison(buffer, generator)
+    RoundTrip(fams, used, range(host.size), 1, 1,
+              backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, "kernel"),
+              load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, "kernel"),
+              seed=5, max_pages=3, device="cpu").run(6)
 
 
 # sglang-kernel's page_first_direct copy takes stride(0) bytes per slot: it serves dense

@@ -110,6 +110,20 @@ def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, 
                  mtp_draft_device_pools=[make(1)])
     assert alone.can_use_write_back_jit and not packed.can_use_write_back_jit
     assert [run.layer_num for run in packed.strided_device_layers] == [LAYERS, 1]
+    # The packed pool keeps no staging buffer (device memory) for the path it gave up.
+    staging = lambda host: (host.staging_k_buffer, host.staging_v_buffer) if kind == "mha" else (host.staging_buffer,)
+    assert all(buffer is not None for buffer in staging(alone))
+    assert all(buffer is None for buffer in staging(packed))
+    # One page backed up: the single pool through the staged write-back, the packed one
+    # run by run (target, then draft) through the all-layer kernel.
+    launched = host_modules.emulation.recorder.launches
+    for host, kernels in ((alone, ["launch_all_lf_pf_staged"]), (packed, ["launch_all", "launch_all"])):
+        del launched[:]
+        page = torch.arange(16, 32)
+        host.backup_from_device_all_layer(host.device_pool, page, page, "kernel")
+        if kind == "mla":
+            kernels = [name.replace("launch_all", "launch_all_mla") for name in kernels]
+        assert [launch.export for launch in launched] == kernels
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -132,3 +146,26 @@ def test_page_first_without_the_staged_write_back(host_modules, monkeypatch, kin
         families = [Rows("KV", target.kv_buffer, host_layer_rows(host, host.data_refs))]
     assert not host.can_use_write_back_jit
     run(target, [], host, families, page, "kernel")
+
+
+def test_npu_pools_with_drafts_are_not_asked_for_pointer_tables(host_modules, monkeypatch):
+    """Ascend's device pools (NPUMHATokenToKVPool) keep K and V each as one multi-layer
+    tensor and publish no pointer tables; their host pool copies through the NPU kernels,
+    which take the buffers. The strided-view check beside the NPU one must not make a
+    host pool with packed drafts read the tables there."""
+    monkeypatch.setattr(host_modules.mha, "_is_npu", True)
+    page = 16
+
+    def npu_pool(layers):
+        pool = mha_pool("native", size=4 * page, page_size=page, layers=layers, heads=HEADS, head_dim=HEAD_DIM)
+        del pool.k_data_ptrs, pool.v_data_ptrs
+        pool.k_buffer, pool.v_buffer = (torch.zeros(layers, 5, page, HEADS, HEAD_DIM, dtype=pool.dtype)
+                                        for _ in range(2))
+        return pool
+
+    target, draft = npu_pool(LAYERS), npu_pool(1)
+    host = host_modules.mha.MHATokenToKVPoolHost(target, 2.0, 0, page, "layer_first", pin_memory=False,
+                                                 device="cpu", mtp_draft_device_pools=[draft])
+    assert host.strided_device_layers is None
+    assert host.packed_device_k_data_ptrs is None and host.packed_device_v_data_ptrs is None
+    assert len(host.packed_device_k_buffers) == len(host.packed_device_v_buffers) == LAYERS + 1

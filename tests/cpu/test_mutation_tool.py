@@ -6,8 +6,13 @@ re-imported by the forked child (a stale module would let every mutant survive).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import time
 import types
+
+import pytest
 
 from tests.mutation.operators import line_mutants
 from tests.mutation.series_lines import added_lines, code_lines
@@ -72,3 +77,17 @@ def test_a_mutated_module_and_its_importers_are_unloaded_with_their_package_attr
     finally:
         for name in ("pkg_m", "pkg_m.child", "user_m"):
             sys.modules.pop(name, None)
+
+
+def test_a_run_with_nothing_left_to_judge_reports_zero(tmp_path, monkeypatch):
+    """A rerun whose mutants were all killed or are now listed as equivalent starts no
+    worker (a baseline of no test files would have nothing to preload) and exits 0."""
+    from tests.mutation import run
+
+    monkeypatch.setattr(run, "build_trees", lambda run_dir, jobs: (tmp_path, tmp_path, [tmp_path / "worker0"]))
+    monkeypatch.setattr(run, "enumerate_mutants", lambda *args: ([], 0))
+    monkeypatch.setattr(run, "Worker", lambda *args: pytest.fail("a worker started with no mutant to run"))
+    args = argparse.Namespace(jobs=1, limit=None, files=[], timeout_factor=3.0, list=False, rerun=None,
+                              out=tmp_path / "report.json")
+    assert run.run(args, tmp_path, time.time()) == 0
+    assert json.loads(args.out.read_text())["summary"]["total"] == 0

@@ -133,3 +133,52 @@ def test_mla_rows_the_jit_kernel_cannot_take(host_modules):
                     qk_rope_head_dim=64, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="JIT HiCache kernel.*unavailable.*disable --enable-hierarchical-cache"):
         host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu")
+
+
+def _mixed_mamba_pool(mix):
+    """Two Mamba layers whose temporal (or conv) views do not share a slot stride: layer 0
+    from kvcached's contiguous layout (a cell per layer apart), layer 1 from its per-layer
+    layout (one cell apart)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from tests.support.kvcached_views import PerLayerMambaState, mamba_pool
+
+    shape = dict(slots=4, layers=2, conv_shapes=[(96, 3)], temporal_shape=(2, 16, 16), page_bytes=64 << 10)
+    contiguous, per_layer = (mamba_pool(layout, **shape).mamba_cache
+                             for layout in ("kvcached-contiguous", "kvcached-per-layer"))
+    layers = [contiguous.at_layer_idx(0), contiguous.at_layer_idx(1)]
+    if mix == "temporal":
+        temporal = [layers[0].temporal, per_layer.at_layer_idx(1).temporal]
+        conv = [[state.conv[0] for state in layers]]
+    else:
+        temporal = [state.temporal for state in layers]
+        conv = [[layers[0].conv[0], per_layer.at_layer_idx(1).conv[0]]]
+    return SimpleNamespace(mamba_cache=PerLayerMambaState(MambaPool.State, conv, temporal), num_mamba_layers=2,
+                           size=4, device="cpu")
+
+
+@pytest.mark.parametrize("kind,names", [("mha", "MHA KV"), ("mla", "MLA KV"),
+                                        ("mamba-temporal", "the Mamba temporal state"),
+                                        ("mamba-conv", "Mamba conv state 0")])
+def test_views_without_one_row_stride_are_refused_by_name(host_modules, kind, names):
+    """A pool whose views share no row stride cannot be copied by any kernel: the refusal
+    says which buffers of which pool, so that the operator knows what to change."""
+    if kind == "mha":
+        pool, three = strided_mha(), mha_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=3,
+                                              heads=2, head_dim=64)
+        pool.v_buffer = three.v_buffer[:2]  # records of three layers: V rows further apart than K rows
+        build = lambda: host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, "layer_first",
+                                                              pin_memory=False, device="cpu")
+    elif kind == "mla":
+        pool, three = strided_mla(), mla_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=3,
+                                              kv_lora_rank=96, qk_rope_head_dim=32)
+        pool.kv_buffer = [pool.kv_buffer[0], three.kv_buffer[1]]
+        build = lambda: host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "layer_first",
+                                                              pin_memory=False, device="cpu")
+    else:
+        pool = _mixed_mamba_pool(kind.split("-")[1])
+        build = lambda: host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu",
+                                                         layout="page_first")
+    with pytest.raises(ValueError, match=f"HiCache cannot copy {names}: .* without one common row stride"):
+        build()

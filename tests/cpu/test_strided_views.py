@@ -75,3 +75,12 @@ def test_each_device_pool_gets_its_own_run_of_host_layers(common):
         for table, views in zip(run.ptr_tables, buffers):
             assert table.dtype == torch.uint64
             assert table.tolist() == [view.data_ptr() for view in views]
+
+
+def test_a_dense_pool_steps_by_its_row_size_however_few_rows_it_has(common):
+    """A dense pool's stride is the size of one row, read from its first row: a pool of
+    one row beside strided ones is served like any other."""
+    (k, v), stride = interleaved()
+    one_row = [torch.zeros(1, HEADS, DIM, dtype=torch.bfloat16)]
+    runs = common.find_strided_device_layers([(k, v), (one_row, one_row)], "cpu", "x")
+    assert [r.stride_bytes for r in runs] == [stride, HEADS * DIM * 2]

@@ -216,37 +216,9 @@ def main(argv=None) -> int:
         shutil.rmtree(run_dir / "patched", ignore_errors=True)
 
 
-def run(args, run_dir: Path, started: float) -> int:
-    pristine, patched, trees = build_trees(run_dir, 0 if args.list else args.jobs)
-    mutants, lines = enumerate_mutants(pristine, patched, args.files)
-    equivalent = {e.key: e for e in EQUIVALENT}
-    skipped = [m for m in mutants if m.key in equivalent]
-    mutants = [m for m in mutants if m.key not in equivalent]
-    if args.rerun:
-        previous = json.loads(args.rerun.read_text())["mutants"]
-        again = {(r["file"], r["original"].strip(), r["mutated"].strip()) for r in previous
-                 if r["status"] not in ("killed", "not compilable")}
-        mutants = [m for m in mutants if m.key in again]
-    if args.limit and args.limit < len(mutants):
-        step = len(mutants) / args.limit
-        mutants = [mutants[int(i * step)] for i in range(args.limit)]
-    print(f"{lines} added code lines, {len(mutants) + len(skipped)} mutants ({len(skipped)} listed as equivalent)"
-          f"{f', running {len(mutants)}' if args.limit else ''}", flush=True)
-    if args.list:
-        for m in mutants:
-            print(f"{m.path}:{m.line} [{m.operator}] {m.mutated.strip()}")
-        return 0
-
-    results, runnable, failing = [], [], []
-    for m in mutants:
-        entry = {"file": m.path, "line": m.line, "operator": m.operator, "original": m.original,
-                 "mutated": m.mutated, "diff": f"-{m.original}\n+{m.mutated}", "tests": tests_for(m.path)}
-        if compiles(patched, m):
-            runnable.append((m, entry))
-        else:
-            entry.update(status="not compilable", seconds=0, failed=None)
-        results.append(entry)
-
+def judge(runnable, trees: list[Path], pristine: Path, patched: Path, args, run_dir: Path) -> list[str]:
+    """Baseline, harness check and every runnable mutant, in workers; each entry gets its
+    status. Returns the tests that fail unmutated (deselected for the mutants)."""
     workers = [Worker(tree, pristine) for tree in trees]
     try:
         files = sorted({t for _, e in runnable for t in e["tests"]})
@@ -287,6 +259,44 @@ def run(args, run_dir: Path, started: float) -> int:
     finally:
         for w in workers:
             w.close()
+    return failing
+
+
+def run(args, run_dir: Path, started: float) -> int:
+    pristine, patched, trees = build_trees(run_dir, 0 if args.list else args.jobs)
+    mutants, lines = enumerate_mutants(pristine, patched, args.files)
+    equivalent = {e.key: e for e in EQUIVALENT}
+    skipped = [m for m in mutants if m.key in equivalent]
+    mutants = [m for m in mutants if m.key not in equivalent]
+    if args.rerun:
+        previous = json.loads(args.rerun.read_text())["mutants"]
+        again = {(r["file"], r["original"].strip(), r["mutated"].strip()) for r in previous
+                 if r["status"] not in ("killed", "not compilable")}
+        mutants = [m for m in mutants if m.key in again]
+    if args.limit and args.limit < len(mutants):
+        step = len(mutants) / args.limit
+        mutants = [mutants[int(i * step)] for i in range(args.limit)]
+    print(f"{lines} added code lines, {len(mutants) + len(skipped)} mutants ({len(skipped)} listed as equivalent)"
+          f"{f', running {len(mutants)}' if args.limit else ''}", flush=True)
+    if args.list:
+        for m in mutants:
+            print(f"{m.path}:{m.line} [{m.operator}] {m.mutated.strip()}")
+        return 0
+
+    results, runnable, failing = [], [], []
+    for m in mutants:
+        entry = {"file": m.path, "line": m.line, "operator": m.operator, "original": m.original,
+                 "mutated": m.mutated, "diff": f"-{m.original}\n+{m.mutated}", "tests": tests_for(m.path)}
+        if compiles(patched, m):
+            runnable.append((m, entry))
+        else:
+            entry.update(status="not compilable", seconds=0, failed=None)
+        results.append(entry)
+
+    # Nothing left to judge (a rerun whose mutants are all killed or listed as equivalent):
+    # no baseline, no workers.
+    if runnable:
+        failing = judge(runnable, trees, pristine, patched, args, run_dir)
 
     for r in results:  # a run cut short (a worker died) leaves some unjudged
         r.setdefault("status", "error")
@@ -299,7 +309,7 @@ def run(args, run_dir: Path, started: float) -> int:
         "series": [p.name for p in _series.read_series()],
         "added_code_lines": lines,
         "seconds": round(time.time() - started),
-        "jobs": len(workers),
+        "jobs": len(trees) if runnable else 0,
         "limit": args.limit,
         "rerun": str(args.rerun) if args.rerun else None,
         "files": args.files,

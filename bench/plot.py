@@ -3,7 +3,8 @@
     python bench/plot.py bench/results-h200.json bench/results-h200.png
 
 One panel per (pool, direction, host layout); the pinned-copy bandwidth of the same run
-is the dashed line every panel is bounded by. Solid lines: throughput by CUDA-event time
+is the dashed line every panel is bounded by, and 95% of it the dotted grey line (the
+target for large batches). Solid lines: throughput by CUDA-event time
 (host included); dotted, same colour: by the GPU time of the copies alone, where the
 run recorded it. Needs matplotlib (requirements/bench.txt).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+LINK_TARGET = 0.95   # large transfers should reach this share of the pinned copy
 
 VARIANTS = {
     "native": ("SGLang 0.5.20, dense pool", "black"),
@@ -50,6 +53,8 @@ def main(src, dst):
                 ax.plot(*zip(*gpu_points), ls=":", lw=1.2, color=color, label=f"{label}, GPU time only")
         if direction in link:
             ax.axhline(link[direction], ls="--", color="grey", lw=1, label="pinned copy")
+            ax.axhline(LINK_TARGET * link[direction], ls=":", color="grey", lw=1,
+                       label=f"{LINK_TARGET:.0%} of the pinned copy")
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, max(link.values(), default=60) * 1.08)
         ax.set_title(f"{pool} {direction}, host {layout}", fontsize=9)

@@ -430,7 +430,8 @@ VARIANTS = ("native", "patched-dense", "kvcached-contiguous", "kvcached-per-laye
 
 
 def table(rows: list[dict]) -> str:
-    """GB/s per variant, each variant's ratio to native, and native's share of the link.
+    """GB/s per variant, each variant's ratio to native, and each variant's share of the
+    link (the pinned copy's GB/s in that direction).
 
     Ratios are of CUDA-event throughput, then in brackets of the GPU time the copies
     themselves took (native's / the variant's): small batches are bound by the host
@@ -448,8 +449,9 @@ def table(rows: list[dict]) -> str:
              "kvcached-per-layer": "per-layer"}
     head = " | ".join(f"{short[v]} GB/s" for v in VARIANTS)
     ratios = " | ".join(f"{short[v]}/native" for v in VARIANTS[1:])
-    lines = [f"| pool | dir | host layout | batch | {head} | {ratios} | native/link |",
-             "|---|---|---|---:|" + "---:|" * (2 * len(VARIANTS))]
+    shares = " | ".join(f"{short[v]}/link" for v in VARIANTS)
+    lines = [f"| pool | dir | host layout | batch | {head} | {ratios} | {shares} |",
+             "|---|---|---|---:|" + "---:|" * (3 * len(VARIANTS) - 1)]
     f = lambda x: f"{x:.2f}" if x is not None else "-"
     for key in keys:
         values = [by.get((v, *key)) for v in VARIANTS]
@@ -462,8 +464,9 @@ def table(rows: list[dict]) -> str:
             us = gpu_us.get((variant, *key))
             return f"{x / nat:.2f}" + (f" ({nat_us / us:.2f})" if us and nat_us else "")
         rel = [rel(v, x) for v, x in zip(VARIANTS[1:], values[1:])]
-        of_link = f"{nat / link[key[1]]:.2f}" if nat and key[1] in link else "-"
-        lines.append(f"| {' | '.join(map(str, key))} | {' | '.join(map(f, values))} | {' | '.join(rel)} | {of_link} |")
+        of_link = [f"{x / link[key[1]]:.2f}" if x and key[1] in link else "-" for x in values]
+        lines.append(f"| {' | '.join(map(str, key))} | {' | '.join(map(f, values))} | {' | '.join(rel)} "
+                     f"| {' | '.join(of_link)} |")
     lines += [f"not measured: {e}" for e in errors]
     checks = [r for r in all_rows if "byte_exact" in r]
     bad = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in checks if not r["byte_exact"]]

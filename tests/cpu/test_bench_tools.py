@@ -28,7 +28,11 @@ def test_table_gives_event_and_gpu_time_ratios_to_native():
     line = next(l for l in transfer_bench.table(rows).splitlines() if l.startswith("| MLA"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     # dense/native: events only (no GPU time); contig/native: 4/5 by events, 110/100 by GPU time
-    assert cells[8:12] == ["1.20", "0.80 (1.10)", "-", "0.10"]
+    assert cells[8:11] == ["1.20", "0.80 (1.10)", "-"]
+    # each variant's share of the 50 GB/s link: native, dense, contig, per-layer (not run)
+    assert cells[11:15] == ["0.10", "0.12", "0.08", "-"]
+    header = transfer_bench.table(rows).splitlines()[0]
+    assert header.count("|") == len(cells) + 1 and header.endswith("| contig/link | per-layer/link |")
 
 
 def test_default_run_is_the_four_variants_the_table_shows():

@@ -46,16 +46,21 @@ def test_a_pool_of_one_mamba_layer(host_modules):
     assert (tuple(host.temporal_state_shape), [tuple(s) for s in host.conv_state_shapes]) == (
         TEMPORAL_SHAPE, CONV_SHAPES)
     assert (host.temporal_dtype, host.conv_dtype) == (torch.float32, torch.bfloat16)
-    generator = torch.Generator().manual_seed(3)
+    round_trips(pool, host, "kernel", layers=1, seed=3, trips=6)
+
+
+def round_trips(pool, host, io_backend, layers, seed, trips):
+    """Random slots backed up and loaded back layer by layer, every other byte poisoned."""
+    generator = torch.Generator().manual_seed(seed)
     fams = mamba_families(pool, host)
     used = list(range(1, SLOTS + 1))
     fill_random(fams, torch.tensor(used), generator)
     for buffer in (host.temporal_buffer, *host.conv_buffer):
         poison(buffer, generator)
-    RoundTrip(fams, used, range(host.size), 1, 1,
-              backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, "kernel"),
-              load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, "kernel"),
-              seed=5, max_pages=3, device="cpu").run(6)
+    RoundTrip(fams, used, range(host.size), 1, layers,
+              backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, io_backend),
+              load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, io_backend),
+              seed=seed + 2, max_pages=3, device="cpu").run(trips)
 
 
 # sglang-kernel's page_first_direct copy takes stride(0) bytes per slot: it serves dense
@@ -67,17 +72,7 @@ ROUND_TRIPS = [(layout, "page_first", "kernel") for layout in LAYOUTS] + [
 @pytest.mark.parametrize("layout,host_layout,io_backend", ROUND_TRIPS)
 def test_round_trips(host_modules, layout, host_layout, io_backend):
     pool, host = build(host_modules, layout, host_layout)
-    generator = torch.Generator().manual_seed(2)
-    fams = mamba_families(pool, host)
-    used = list(range(1, SLOTS + 1))
-    fill_random(fams, torch.tensor(used), generator)
-    for buffer in (host.temporal_buffer, *host.conv_buffer):
-        poison(buffer, generator)
-    rt = RoundTrip(fams, used, range(host.size), 1, LAYERS,
-                   backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, io_backend),
-                   load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, io_backend),
-                   seed=4, max_pages=3, device="cpu")
-    rt.run(25)
+    round_trips(pool, host, io_backend, layers=LAYERS, seed=2, trips=25)
 
 
 def test_refuses_slot_stride_the_kernels_cannot_step(host_modules):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.kvcached_views import LAYOUTS, mha_pool, mla_pool
+from tests.support.kvcached_views import mha_pool, mla_pool
 from tests.support.roundtrip import RoundTrip, Rows, fill_random, host_layer_rows, pages_to_rows, poison
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 64
@@ -60,16 +60,33 @@ def run(target, drafts, host, families, page_size, io_backend):
     rt.run(TRIPS)
 
 
+def make_pool(kind, layout, size, page_size, layers):
+    """A device pool of the test's MHA or MLA shape in one of the device layouts."""
+    if kind == "mha":
+        return mha_pool(layout, size=size, page_size=page_size, layers=layers, heads=HEADS, head_dim=HEAD_DIM)
+    return mla_pool(layout, size=size, page_size=page_size, layers=layers, kv_lora_rank=KV_LORA_RANK,
+                    qk_rope_head_dim=ROPE_DIM)
+
+
+def host_class(host_modules, kind):
+    return host_modules.mha.MHATokenToKVPoolHost if kind == "mha" else host_modules.mla.MLATokenToKVPoolHost
+
+
+def packed_host(host_modules, kind, target_layout, draft_layout, drafts, page_size, host_layout):
+    """A target pool, its one-layer draft pools, and the host pool that packs them."""
+    size = DEVICE_PAGES * page_size
+    target = make_pool(kind, target_layout, size, page_size, LAYERS)
+    draft_pools = [make_pool(kind, draft_layout, size, page_size, 1) for _ in range(drafts)]
+    host = host_class(host_modules, kind)(target, 2.0, 0, page_size, host_layout, pin_memory=False, device="cpu",
+                                          mtp_draft_device_pools=draft_pools)
+    return target, draft_pools, host
+
+
 @cases
 def test_mha_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
                            page_size):
-    size = DEVICE_PAGES * page_size
-    target = mha_pool(target_layout, size=size, page_size=page_size, layers=LAYERS, heads=HEADS,
-                      head_dim=HEAD_DIM)
-    draft_pools = [mha_pool(draft_layout, size=size, page_size=page_size, layers=1, heads=HEADS,
-                            head_dim=HEAD_DIM) for _ in range(drafts)]
-    host = host_modules.mha.MHATokenToKVPoolHost(target, 2.0, 0, page_size, host_layout, pin_memory=False,
-                                                 device="cpu", mtp_draft_device_pools=draft_pools)
+    target, draft_pools, host = packed_host(host_modules, "mha", target_layout, draft_layout, drafts, page_size,
+                                            host_layout)
     assert host.layer_num == LAYERS + drafts
     pools = [target, *draft_pools]
     families = [Rows("K", [v for p in pools for v in p.k_buffer], host_layer_rows(host, host.k_data_refs, 0)),
@@ -80,13 +97,8 @@ def test_mha_packed_drafts(host_modules, target_layout, draft_layout, host_layou
 @cases
 def test_mla_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
                            page_size):
-    size = DEVICE_PAGES * page_size
-    target = mla_pool(target_layout, size=size, page_size=page_size, layers=LAYERS, kv_lora_rank=KV_LORA_RANK,
-                      qk_rope_head_dim=ROPE_DIM)
-    draft_pools = [mla_pool(draft_layout, size=size, page_size=page_size, layers=1,
-                            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM) for _ in range(drafts)]
-    host = host_modules.mla.MLATokenToKVPoolHost(target, 2.0, 0, page_size, host_layout, pin_memory=False,
-                                                 device="cpu", mtp_draft_device_pools=draft_pools)
+    target, draft_pools, host = packed_host(host_modules, "mla", target_layout, draft_layout, drafts, page_size,
+                                            host_layout)
     pools = [target, *draft_pools]
     families = [Rows("KV", [v for p in pools for v in p.kv_buffer], host_layer_rows(host, host.data_refs))]
     run(target, draft_pools, host, families, page_size, io_backend)
@@ -97,14 +109,8 @@ def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, 
     """The staged write-back gathers all host layers of a page at once and so takes one
     stride; with strided drafts the pool backs up through the all-layer kernel, whose
     host indices the controller must place on the device (can_use_write_back_jit off)."""
-    if kind == "mha":
-        make = lambda layers: mha_pool("kvcached-contiguous", size=4 * 16, page_size=16, layers=layers,
-                                       heads=HEADS, head_dim=HEAD_DIM)
-        cls = host_modules.mha.MHATokenToKVPoolHost
-    else:
-        make = lambda layers: mla_pool("kvcached-contiguous", size=4 * 16, page_size=16, layers=layers,
-                                       kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM)
-        cls = host_modules.mla.MLATokenToKVPoolHost
+    make = lambda layers: make_pool(kind, "kvcached-contiguous", 4 * 16, 16, layers)
+    cls = host_class(host_modules, kind)
     alone = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
     packed = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu",
                  mtp_draft_device_pools=[make(1)])

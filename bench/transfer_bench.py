@@ -57,6 +57,7 @@ MODES = {
     "torch-interleaved": {"ENABLE_KVCACHED": "false"},
 }
 PAGE = 64
+HOST_LAYOUTS = ("layer_first", "page_first")
 TOKENS = [64, 256, 1024, 4096, 16384, 65536]
 MTP_TOKENS = [4096, 16384, 65536]
 KV_PARTS = ("mha", "mla", "mtp-mha", "mtp-mla")
@@ -172,17 +173,24 @@ def import_sglang(mode: str):
     return sglang
 
 
-def token_sets(gen, total_pages, n_tokens, count=4, skip=1):
-    """`count` sets of n_tokens tokens, each on random distinct pages from `skip` up."""
+def token_sets(gen, total_pages, n_tokens, count=4, skip=1, runs=False):
+    """`count` sets of n_tokens tokens, each on random distinct pages from `skip` up; with
+    `runs`, on one run of consecutive pages from a random start instead (how SGLang's host
+    allocator hands out pages: free slots in order)."""
     import torch
-    sets = []
+    sets, n_pages = [], n_tokens // PAGE
     for _ in range(count):
-        pages = torch.randperm(total_pages - skip, generator=gen)[: n_tokens // PAGE] + skip
+        if runs:
+            start = int(torch.randint(skip, total_pages - n_pages + 1, (1,), generator=gen))
+            pages = torch.arange(start, start + n_pages)
+        else:
+            pages = torch.randperm(total_pages - skip, generator=gen)[:n_pages] + skip
         sets.append((pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1))
     return sets
 
 
-def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
+def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
+          host_layouts: tuple[str, ...] = HOST_LAYOUTS) -> list[dict]:
     import torch
     sglang = import_sglang(mode)
     rows, gen = [], torch.Generator().manual_seed(0)
@@ -201,7 +209,7 @@ def child(mode: str, reps: int, parts: list[str]) -> list[dict]:
 
     for part in [p for p in KV_PARTS if p in parts]:
         try:
-            rows += kv_part(part, mode, reps, gen)
+            rows += kv_part(part, mode, reps, gen, host_pages, host_layouts)
         except Exception as exc:  # e.g. kvcached 0.1.6's per-layer MLA pool after an MHA pool: both
             # in kvcached's group 0, the MLA pool gets the MHA pool's tensors (tests/gpu/pools.py)
             rows.append(dict(mode=mode, pool=kv_part_shape(part)[3], error=f"{type(exc).__name__}: {exc}"[:300]))
@@ -304,18 +312,19 @@ class KVBench:
         return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
                              mtp_draft_device_pools=self.drafts)
 
-    def index_sets(self, host, n_tokens: int):
-        """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each."""
+    def index_sets(self, host, n_tokens: int, host_runs: bool = False):
+        """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each;
+        device pages random, host pages random or in runs (token_sets)."""
         dev = [(self.pages[t // PAGE] * PAGE + t % PAGE).cuda()
                for t in token_sets(self.gen, len(self.pages), n_tokens, skip=0)]
-        host_sets = token_sets(self.gen, host.size // PAGE, n_tokens)
+        host_sets = token_sets(self.gen, host.size // PAGE, n_tokens, runs=host_runs)
         backup = [h if host.can_use_write_back_jit else h.cuda() for h in host_sets]
         return dev, backup, [h.cuda() for h in host_sets]
 
-    def calls(self, host, n_tokens: int):
+    def calls(self, host, n_tokens: int, host_runs: bool = False):
         """backup(i), load(i): the timed operations on the i-th rotating index set; and
         check(): whether a backup loaded back elsewhere reproduces the bytes."""
-        dev, host_bk, host_ld = self.index_sets(host, n_tokens)
+        dev, host_bk, host_ld = self.index_sets(host, n_tokens, host_runs)
         k = len(dev)
 
         def backup(i):
@@ -345,19 +354,19 @@ def kv_part_shape(part):
     return part, 0, TOKENS, part.upper()
 
 
-def kv_part(part, mode, reps, gen):
+def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS):
     kind, drafts, tokens, label = kv_part_shape(part)
     rows, kv = [], KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
-    for layout in ("layer_first", "page_first"):
+    for layout in host_layouts:
         host = kv.host_pool(layout)
         for n in tokens:
-            backup, load, check = kv.calls(host, n)
+            backup, load, check = kv.calls(host, n, host_runs=host_pages == "runs")
             nbytes = n * kv.row_bytes * (kv.layers + drafts)
             for direction, fn in (("backup", backup), ("load", load)):
                 rows.append(timed_op(nbytes, fn, reps, mode=mode, pool=label, direction=direction,
-                                     host_layout=layout, batch=n))
+                                     host_layout=layout, batch=n, host_pages=host_pages))
             if n == 4096:  # the timed path must also be the right one
-                rows.append(dict(mode=mode, pool=label, host_layout=layout, batch=n,
+                rows.append(dict(mode=mode, pool=label, host_layout=layout, batch=n, host_pages=host_pages,
                                  byte_exact=check()))
         host.destroy()
     kv.release()
@@ -485,21 +494,30 @@ def main():
                     help=f"any of link,{','.join(KV_PARTS)},mamba (mtp-*: target + one packed MTP draft)")
     ap.add_argument("--modes", default=",".join(VARIANTS), help=f"any of {','.join(MODES)}")
     ap.add_argument("--native-sglang", help="python/ folder of an unpatched SGLang 0.5.20, for the native variant")
+    ap.add_argument("--host-pages", choices=("random", "runs"), default="random",
+                    help="host pages of a KV batch: random, or one run of consecutive pages (as SGLang's "
+                         "host allocator hands them out)")
+    ap.add_argument("--host-layouts", default=",".join(HOST_LAYOUTS), help="KV host layouts to time")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - {"link", *KV_PARTS, "mamba"})
     if unknown:
         ap.error(f"--parts: unknown {','.join(unknown)} (any of link,{','.join(KV_PARTS)},mamba)")
+    host_layouts = tuple(args.host_layouts.split(","))
+    if set(host_layouts) - set(HOST_LAYOUTS):
+        ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
     if args.child:
-        json.dump(child(args.child, args.reps, parts), sys.stdout)
+        json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts), sys.stdout)
         return
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                reps=args.reps, page_size=PAGE)
+                reps=args.reps, page_size=PAGE, host_pages=args.host_pages)
     rows = []
     for mode in args.modes.split(","):
-        rows += run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts])
+        rows += run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts,
+                                                              "--host-pages", args.host_pages,
+                                                              "--host-layouts", args.host_layouts])
         with open(args.out, "w") as handle:  # after every variant: a cut-short run keeps what it measured
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     print(table(rows))

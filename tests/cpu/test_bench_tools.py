@@ -5,6 +5,7 @@ unrolls that profile_transfers.force_unroll() imposes; both must say what ran.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import link_paths  # noqa: E402
 import profile_transfers  # noqa: E402
 import transfer_bench  # noqa: E402
 
@@ -38,6 +40,42 @@ def test_table_gives_event_and_gpu_time_ratios_to_native():
 def test_default_run_is_the_four_variants_the_table_shows():
     assert set(transfer_bench.VARIANTS) <= set(transfer_bench.MODES)
     assert "torch-interleaved" in transfer_bench.MODES and "torch-interleaved" not in transfer_bench.VARIANTS
+
+
+@pytest.mark.parametrize("runs", [False, True])
+def test_token_sets_are_whole_pages_in_range_random_or_one_run(runs):
+    gen = torch.Generator().manual_seed(0)
+    sets = transfer_bench.token_sets(gen, total_pages=40, n_tokens=8 * transfer_bench.PAGE, count=20, runs=runs)
+    starts = set()
+    for tokens in sets:
+        pages = (tokens[:: transfer_bench.PAGE] // transfer_bench.PAGE).tolist()
+        assert tokens.tolist() == [p * transfer_bench.PAGE + t for p in pages for t in range(transfer_bench.PAGE)]
+        assert len(set(pages)) == 8 and 1 <= min(pages) and max(pages) < 40   # page 0 skipped
+        consecutive = pages == list(range(pages[0], pages[0] + 8))
+        assert consecutive if runs else not consecutive
+        starts.add(pages[0])
+    assert len(starts) > 5   # runs start at random pages, not always at the first
+
+
+def test_link_paths_counts_one_copy_per_run_of_consecutive_host_pages():
+    page = link_paths.PAGE
+    host = torch.cat([torch.arange(p * page, (p + 1) * page) for p in [3, 4, 5, 9, 10, 2]])
+    # (staging token, host token, tokens): runs 3-5 and 9-10, then page 2 after a step back
+    assert link_paths.page_runs(host, True) == [(0, 3 * page, 3 * page), (3 * page, 9 * page, 2 * page),
+                                               (5 * page, 2 * page, page)]
+    assert len(link_paths.page_runs(host, False)) == 6
+    # the staged write-back copies chunk by chunk ([3, 4], [5, 9], [10, 2]): runs split at chunks
+    assert link_paths.staged_copies(host, 6, chunk_pages=2) == 5 and link_paths.staged_copies(host, 6, None) == 6
+
+
+def test_link_paths_dry_run_has_a_row_for_every_path(tmp_path, capsys):
+    out = tmp_path / "paths.json"
+    link_paths.main(["--dry-run", "--tokens", "1024,16384", "--parts", "mha", "--quotas", "2,4", "--out", str(out)])
+    data = json.loads(out.read_text())
+    paths = {(r["direction"], r["path"]) for r in data["rows"] if r.get("pool") == "MHA"}
+    assert {d for d, _ in paths} == {"backup", "load"} and len(paths) >= 9
+    assert data["footprint"] and all(r["gemm_slowdown"] > 0 for r in data["footprint"])
+    assert data["meta"]["dry_run"] is True and "| MHA | backup |" in capsys.readouterr().out
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def every_case(test):
     return test
 
 
-def run(kind, pool, host, families, page_size, io_backend):
+def run(kind, pool, host, families, page_size, io_backend, **trip_options):
     generator = torch.Generator().manual_seed(3)
     used_pages = list(range(1, DEVICE_PAGES))
     fill_random(families, pages_to_rows(used_pages, page_size), generator)
@@ -46,7 +46,7 @@ def run(kind, pool, host, families, page_size, io_backend):
         families, used_pages, range(1, host.size // page_size), page_size, pool.layer_num,
         backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, io_backend),
         load=lambda h, d, l: host.load_to_device_per_layer(pool, h, d, l, io_backend),
-        seed=5, device="cpu",
+        seed=5, device="cpu", **trip_options,
     )
     rt.run(TRIPS)
 
@@ -67,3 +67,23 @@ def test_mla(host_modules, device_layout, host_layout, io_backend, page_size, dt
     host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, page_size, host_layout, pin_memory=False,
                                                  device="cpu")
     run("MLA", pool, host, mla_families(pool, host), page_size, io_backend)
+
+
+def test_host_page_runs_are_one_run_or_two_with_a_step_back():
+    # what the GPU tier's page_first backups of host page runs draw (RoundTrip(host_runs=True))
+    rt = RoundTrip([], [], range(1, 200), 16, 1, backup=None, load=None, host_runs=True, device="cpu")
+    shapes = set()
+    for n in [2, 7, 64, 100, 199] * 10:
+        pages = rt.pick_host_pages(n)
+        assert sorted(pages) == list(range(min(pages), min(pages) + n)) and 1 <= min(pages) and max(pages) < 200
+        breaks = [i for i in range(1, n) if pages[i] != pages[i - 1] + 1]
+        assert len(breaks) <= 1
+        shapes.add(len(breaks))
+    assert shapes == {0, 1}   # one run, and two runs with a step back, both occur
+
+
+def test_page_first_backups_of_host_page_runs(host_modules):
+    pool = mha_pool("kvcached-contiguous", size=DEVICE_PAGES * 16, page_size=16, layers=LAYERS, heads=HEADS,
+                    head_dim=HEAD_DIM, dtype=torch.bfloat16)
+    host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
+    run("MHA", pool, host, mha_families(pool, host), 16, "kernel", max_pages=5, host_runs=True)

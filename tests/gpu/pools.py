@@ -24,15 +24,15 @@ def elastic(pool):
     return pool
 
 
-def mha_pool(shape, layers=None):
-    return elastic(mp.MHATokenToKVPool(size=DEVICE_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16,
+def mha_pool(shape, layers=None, pages=DEVICE_PAGES):
+    return elastic(mp.MHATokenToKVPool(size=pages * PAGE, page_size=PAGE, dtype=torch.bfloat16,
                                        head_num=shape.kv_heads, head_dim=shape.head_dim,
                                        layer_num=layers or shape.layers, device="cuda",
                                        enable_memory_saver=False))
 
 
-def mla_pool(shape, layers=None):
-    return elastic(mp.MLATokenToKVPool(size=DEVICE_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16,
+def mla_pool(shape, layers=None, pages=DEVICE_PAGES):
+    return elastic(mp.MLATokenToKVPool(size=pages * PAGE, page_size=PAGE, dtype=torch.bfloat16,
                                        kv_lora_rank=shape.kv_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim,
                                        layer_num=layers or shape.layers, device="cuda",
                                        enable_memory_saver=False))
@@ -76,10 +76,10 @@ def own_kvcached_group():
         kvi.alloc_kv_cache, kvi.get_kv_cache_manager = alloc, manager
 
 
-def mla_pool_of_its_own(shape, layers=None):
+def mla_pool_of_its_own(shape, layers=None, pages=DEVICE_PAGES):
     """mla_pool, in a kvcached group no other pool uses (see own_kvcached_group)."""
     with own_kvcached_group() as group:
-        pool = mla_pool(shape, layers)
+        pool = mla_pool(shape, layers, pages)
     assert pool.kvcached_allocator.group_id == group, "kvcached ignored the group id"
     return pool
 

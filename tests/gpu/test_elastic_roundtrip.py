@@ -26,9 +26,9 @@ def backup_indices(host, rows):
     return rows if host.can_use_write_back_jit else rows.cuda()
 
 
-def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout):
-    """Random data in 48 allocated pages, poisoned host bytes, `trips` round trips."""
-    used_pages = pool.kvcached_allocator.alloc(48)
+def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout, used=48, **trip_options):
+    """Random data in `used` allocated pages, poisoned host bytes, `trips` round trips."""
+    used_pages = pool.kvcached_allocator.alloc(used)
     generator = torch.Generator().manual_seed(0)
     host = host_cls(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
     try:
@@ -39,13 +39,13 @@ def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout):
             families, used_pages, range(1, host.size // PAGE), PAGE, len(families[0].device),
             backup=lambda h, d: host.backup_from_device_all_layer(pool, backup_indices(host, h), d, "kernel"),
             load=lambda h, d, l: host.load_to_device_per_layer(pool, h.cuda(), d, l, "kernel"),
-            seed=7,
+            seed=7, **trip_options,
         )
         start = time.time()
         rt.run(trips)
     finally:
         host.destroy()
-    record(test=kind, host_layout=layout, io_backend="kernel", trips=trips, result="pass",
+    record(test=kind, host_layout=layout, io_backend="kernel", trips=trips, result="pass", **trip_options,
            device_stride_bytes=host.strided_device_layers[0].stride_bytes if host.strided_device_layers else None,
            seconds=round(time.time() - start, 1))
 
@@ -59,6 +59,25 @@ def test_mha_qwen25_7b(layout, trips):
 def test_mla_deepseek_v2_lite(layout, trips):
     run_kv_roundtrip("MLA DeepSeek-V2-Lite", mla_pool_of_its_own(DEEPSEEK_V2_LITE), MLATokenToKVPoolHost,
                      mla_families, trips, layout)
+
+
+# SGLang's host allocator hands out free pages in order, so on a fresh host pool a
+# page_first backup's host pages run consecutively, as they do in the staged write-back's
+# staging buffer. Up to 100 pages per backup: runs longer than its 64-page staging chunk,
+# one or two per backup.
+RUN_PAGES = 100
+
+
+def test_mha_page_first_backups_of_host_page_runs(trips):
+    run_kv_roundtrip("MHA Qwen2.5-7B, host page runs", mha_pool(QWEN25_7B, pages=4 * RUN_PAGES),
+                     MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first",
+                     used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
+
+
+def test_mla_page_first_backups_of_host_page_runs(trips):
+    pool = mla_pool_of_its_own(DEEPSEEK_V2_LITE, pages=4 * RUN_PAGES)
+    run_kv_roundtrip("MLA DeepSeek-V2-Lite, host page runs", pool, MLATokenToKVPoolHost, mla_families,
+                     min(trips, 40), "page_first", used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
 
 
 @pytest.mark.parametrize("model", [QWEN35_4B, QWEN3_NEXT_80B], ids=lambda m: m.name)

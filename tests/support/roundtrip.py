@@ -96,11 +96,11 @@ class RoundTrip:
     """
 
     def __init__(self, families, used_pages, host_pages, page_size, num_layers,
-                 backup, load, *, seed=0, max_pages=4, device="cuda"):
+                 backup, load, *, seed=0, max_pages=4, host_runs=False, device="cuda"):
         self.families, self.page_size, self.num_layers = families, page_size, num_layers
         self.used_pages, self.host_pages = list(used_pages), list(host_pages)
         self.backup, self.load, self.device = backup, load, device
-        self.max_pages = max_pages
+        self.max_pages, self.host_runs = max_pages, host_runs
         self.rng = random.Random(seed)
         self.used = pages_to_rows(self.used_pages, page_size)
         self.position = {row: i for i, row in enumerate(self.used.tolist())}
@@ -111,12 +111,23 @@ class RoundTrip:
         if self.device != "cpu":
             torch.cuda.synchronize()
 
+    def pick_host_pages(self, n):
+        if not self.host_runs:
+            return self.rng.sample(self.host_pages, n)
+        # SGLang's host allocator hands out free pages in order: a run of consecutive host
+        # pages (host_pages must be a range), cut at a random point with the two pieces
+        # swapped, so a backup holds one run or two with a step back between them.
+        start = self.rng.randrange(len(self.host_pages) - n + 1)
+        run = self.host_pages[start:start + n]
+        cut = self.rng.randrange(n)
+        return run[cut:] + run[:cut]
+
     def trip(self):
         n = self.rng.randint(1, self.max_pages)
         chosen = self.rng.sample(self.used_pages, 2 * n)
         src = pages_to_rows(chosen[:n], self.page_size)
         dst = pages_to_rows(chosen[n:], self.page_size)
-        hst = pages_to_rows(self.rng.sample(self.host_pages, n), self.page_size)
+        hst = pages_to_rows(self.pick_host_pages(n), self.page_size)
         self.backup(hst, src.to(self.device))
         self._sync()
         src_pos = torch.tensor([self.position[r] for r in src.tolist()])

@@ -1,0 +1,1010 @@
+"""HiCache page_first transfers against the pinned-copy link, and what they take from the GPU.
+
+    python3 bench/link_paths.py --out bench/link-paths.json
+
+on a CUDA machine with the patched SGLang importable (on PYTHONPATH): one process, a few
+minutes including the JIT builds of SGLang's HiCache kernels (built in parallel first).
+`--dry-run` runs the whole driver without a GPU or SGLang on made-up timings: a check of
+the script, not a measurement.
+
+SGLang 0.5.20's default host layout, page_first, keeps a token's rows of every layer
+together ([token][layer][row]); its device pools keep each layer apart. Shapes: Qwen2.5-7B
+(MHA, 28 layers, K and V rows of 1,024 bytes) and DeepSeek-V2-Lite (MLA, 27 layers,
+1,152-byte rows), bf16, page size 64, SGLang's dense device pools, random device pages,
+four rotating index sets. A row is the median of --reps CUDA-event times after two
+warm-ups; GB/s = bytes moved / time; /link = share of a 1 GiB pinned copy in the same
+direction.
+
+backup, device -> pinned host:
+  sglang staged write-back   the host pool's own backup_from_device_all_layer: a gather
+                             kernel into a device staging buffer, 64 pages at a time, then
+                             one copy per host page and K/V, or per run of consecutive host
+                             pages where the tree merges them (a draft patch), in
+                             one cudaMemcpyBatchAsync per chunk where the driver has it;
+                             random or consecutive host pages
+  direct all-layer kernel    transfer_hicache_all_layer[_mla]: the GPU writes the pinned
+                             pages itself through the host pool's per-layer page_first
+                             tables; block quota 2 (SGLang's), 4, 8
+  copy engine alone          the staged path's copies without its gather: from a device
+                             buffer in the staging layout, one copy per page (random or
+                             consecutive host pages) or one per run of consecutive pages
+load, pinned host -> device:
+  sglang load_to_device_per_layer, every layer
+  direct per-layer kernel    transfer_hicache_one_layer[_mla] per layer; block quota x
+                             unroll (SGLang's default and twice it)
+footprint (16,384 tokens): a bf16 8192x8192 GEMM loop on a stream of its own, timed alone
+  and while one transfer runs on another stream: the GEMM's slowdown, the share of its
+  time the transfer took, and the transfer's GB/s beside it.
+
+Each row gives the launch grid (blocks x threads) and its kernels and copies: how many SMs
+a path holds. After its timing a path runs once more on a poisoned destination (fresh
+random source bytes for loads), and the destination is compared byte for byte with the
+source ("bytes ok"; up to 8,192 tokens, two of the staged path's chunks).
+
+Rows are written to --out as they come, so a run cut short keeps what it measured; no row
+starts after --deadline seconds. The tables are printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.transfer_bench import (  # noqa: E402
+    PAGE,
+    cuda_times,
+    import_sglang,
+    load_all_layers,
+    series_applied,
+    timed_row,
+    token_sets,
+)
+from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B  # noqa: E402
+
+TOKENS = (1024, 4096, 16384, 65536)
+COPY_TOKENS = (16384, 65536)  # the copy engine alone: large batches only
+FOOTPRINT_TOKENS = 16384
+QUOTAS = (2, 4, 8)
+PARTS = ("mha", "mla")
+# A lane of the HiCache kernels moves a 4-, 8- or 16-byte package of every 128 bytes,
+# 128 / (32 / unroll) (hicache.cuh: get_mem_package, load_vec): unrolls 1, 2, 4 compile.
+KERNEL_UNROLLS = (1, 2, 4)
+# Byte checks move at most this many tokens: two of the staged write-back's 64-page chunks.
+CHECK_TOKENS = 8192
+RELAYOUT_THREADS = 256  # relayout.cuh: kRelayoutBlockSize
+WARMUP = 2
+LINK_BYTES = 1 << 30
+GEMM_N = 8192
+# The GEMM loop lasts this many times the transfer alone (plus two GEMMs), so that the
+# transfer runs beside GEMMs from start to end even when the GEMM slows it down.
+GEMM_COVER = 1.5
+NOT_STARTED = "not started: past --deadline"
+# Where pools and copies live; the CPU smoke test runs the same code on "cpu" over
+# emulated kernels (tests/support/emulators.py).
+DEVICE = "cuda"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    part: str
+    label: str
+    layers: int
+    element_size: int  # bytes of one layer's row of one tensor: K, V, or MLA's KV
+    tensors: int  # 2 for MHA (K and V), 1 for MLA
+
+    @property
+    def token_bytes(self) -> int:
+        return self.layers * self.element_size * self.tensors
+
+
+GEOMETRIES = {
+    "mha": Geometry("mha", "MHA", QWEN25_7B.layers, QWEN25_7B.kv_heads * QWEN25_7B.head_dim * 2, 2),
+    "mla": Geometry("mla", "MLA", DEEPSEEK_V2_LITE.layers, DEEPSEEK_V2_LITE.kv_dim * 2, 1),
+}
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What SGLang's HiCache kernel wrappers choose, read from the tree that runs."""
+
+    threads: int  # per block, of the per-layer and all-layer kernels
+    staging_pages: int  # pages per chunk of the staged write-back
+    default_quota: int
+    default_unroll: Callable[[int], int]  # element size -> unroll
+    batch_unroll: Callable[[int, int, int], int]  # (element size, tokens, quota) -> a load's unroll
+    pool_unrolls: Callable[[int], list]  # element size -> unrolls a host pool builds at start-up
+    staged_merges_runs: bool  # the staged write-back copies runs of consecutive host pages at once
+
+
+def sglang_kernel_facts() -> KernelFacts:
+    from sglang.kernels.ops.kvcache import hicache as hc
+    from sglang.srt.mem_cache.pool_host import base
+
+    return KernelFacts(
+        threads=getattr(hc, "_BLOCK_SIZE", 1024),
+        staging_pages=base._WRITE_BACK_STAGING_PAGE_CHUNK,
+        default_quota=hc.DEFAULT_BLOCK_QUOTA,
+        default_unroll=hc._default_unroll,
+        batch_unroll=getattr(hc, "_unroll_for_batch", lambda size, tokens, quota: hc._default_unroll(size)),
+        pool_unrolls=getattr(hc, "_batch_unrolls", lambda size: [hc._default_unroll(size)]),
+        staged_merges_runs=staged_merges_runs(),
+    )
+
+
+def staged_merges_runs() -> bool:
+    """Whether the staged write-back the JIT compiles copies a run of consecutive host
+    pages at once (staged_write_back.cuh: consecutive_host_pages, a draft patch) or
+    each page on its own (SGLang 0.5.20): the rows' copy counts follow it."""
+    from sglang.kernels.jit.utils import KERNEL_PATH
+    source = KERNEL_PATH / "csrc" / "kvcacheio" / "staged_write_back.cuh"
+    return "consecutive_host_pages" in source.read_text()
+
+
+# --dry-run: the values SGLang's hicache.py and pool_host/base.py set for these shapes.
+DRY_FACTS = KernelFacts(threads=1024, staging_pages=64, default_quota=2, default_unroll=lambda size: 2,
+                        batch_unroll=lambda size, tokens, quota: 2, pool_unrolls=lambda size: [2],
+                        staged_merges_runs=True)
+
+
+def load_unrolls(facts: KernelFacts, element_size: int) -> list[int]:
+    """SGLang's default unroll, and twice it where the kernel compiles it."""
+    default = facts.default_unroll(element_size)
+    return [u for u in (default, 2 * default) if u in KERNEL_UNROLLS]
+
+
+# ---------------------------------------------------------------------------------------
+# What is measured: paths, their launch shapes, and the index sets they run on
+
+
+@dataclass(frozen=True)
+class Spec:
+    direction: str  # "backup" (device -> host) or "load" (host -> device)
+    kind: str  # "staged", "direct", "copies" or "sglang"
+    host_pages: str = "random"  # or "consecutive": one run of host pages from page 1
+    quota: int | None = None
+    unroll: int | None = None
+    coalesce: bool = False  # copies: one copy per run of consecutive host pages
+
+    @property
+    def name(self) -> str:
+        if self.kind == "staged":
+            return f"sglang staged write-back, {self.host_pages} host pages"
+        if self.kind == "sglang":
+            return "sglang load_to_device_per_layer"
+        if self.kind == "copies":
+            how = "one copy per run" if self.coalesce else "one copy per page"
+            return f"copy engine alone, {how}, {self.host_pages} host pages"
+        span = "all-layer" if self.direction == "backup" else "per-layer"
+        return f"direct {span} kernel bq={self.quota} u={self.unroll}"
+
+
+def path_specs(tokens: int, quotas, unrolls) -> list[Spec]:
+    default = unrolls[0]
+    specs = [Spec("backup", "staged", "random"), Spec("backup", "staged", "consecutive")]
+    specs += [Spec("backup", "direct", quota=q, unroll=default) for q in quotas]
+    if tokens in COPY_TOKENS:
+        specs += [Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive"),
+                  Spec("backup", "copies", "consecutive", coalesce=True)]
+    specs.append(Spec("load", "sglang"))
+    specs += [Spec("load", "direct", quota=q, unroll=u) for u in unrolls for q in quotas]
+    return specs
+
+
+def footprint_specs(default_unroll: int, quotas) -> list[Spec]:
+    wanted = [Spec("backup", "staged", "random"),
+              Spec("backup", "direct", quota=2, unroll=default_unroll),
+              Spec("backup", "direct", quota=4, unroll=default_unroll),
+              Spec("load", "sglang"),
+              Spec("load", "direct", quota=4, unroll=default_unroll)]
+    return [s for s in wanted if s.quota is None or s.quota in quotas]
+
+
+def footprint_tokens(tokens) -> int:
+    return FOOTPRINT_TOKENS if FOOTPRINT_TOKENS in tokens else max(tokens)
+
+
+def launch_shape(spec: Spec, geom: Geometry, tokens: int, facts: KernelFacts, host_tokens=None) -> dict:
+    """Grid of one launch (blocks x threads), kernels and copies of one operation
+    (`host_tokens`: the host side of one of its index sets, for the staged path's copies).
+
+    The HiCache kernels launch min(div_ceil(length, workers per block), block quota)
+    blocks of `threads`, with 32 / unroll lanes per worker (hicache.cuh: run_one,
+    run_all); the staged path's gather launches total_vecs / 256 blocks of 256 per
+    chunk, a 16-byte vector per thread (relayout.cuh)."""
+    pages = tokens // PAGE
+    if spec.kind == "staged":
+        chunk = min(pages, facts.staging_pages)
+        vecs = chunk * PAGE * geom.layers * (geom.element_size // 16)
+        return dict(grid=f"{-(-vecs // RELAYOUT_THREADS)}x{RELAYOUT_THREADS}",
+                    kernels=-(-pages // facts.staging_pages), copies=geom.tensors * staged_copies(
+                        host_tokens, pages, facts.staging_pages if facts.staged_merges_runs else None))
+    if spec.kind == "copies":
+        return dict(grid="copy engine", kernels=0, copies=geom.tensors * (1 if spec.coalesce else pages))
+    quota, unroll = spec.quota, spec.unroll
+    if spec.kind == "sglang":  # SGLang's load picks both itself (hicache.py: _unroll_for_batch)
+        quota = facts.default_quota
+        unroll = facts.batch_unroll(geom.element_size, tokens, quota)
+    blocks = min(-(-tokens // (facts.threads * unroll // 32)), quota)
+    return dict(grid=f"{blocks}x{facts.threads}", kernels=1 if spec.direction == "backup" else geom.layers,
+                copies=0, quota=quota, unroll=unroll)
+
+
+@dataclass
+class Plan:
+    """One index set: device tokens (on the device), host tokens (on the CPU for the
+    staged write-back, which reads them to issue its copies; on the device for kernels)."""
+
+    device: object
+    host_cpu: object
+    host_gpu: object
+
+    def head(self, tokens: int) -> "Plan":
+        return Plan(self.device[:tokens], self.host_cpu[:tokens], self.host_gpu[:tokens])
+
+
+def build_plans(gen, device_pages, host_page_count: int, tokens: int, to_device) -> dict[str, list[Plan]]:
+    """Four rotating sets of `tokens` tokens on random device pages, each with random
+    host pages ("random") and with the run of host pages from page 1 ("consecutive")."""
+    import torch
+    if tokens // PAGE >= host_page_count:
+        raise ValueError(f"{tokens} tokens do not fit the host pool's {host_page_count - 1} usable pages")
+    device = [device_pages[t // PAGE] * PAGE + t % PAGE for t in token_sets(gen, len(device_pages), tokens, skip=0)]
+    random_host = token_sets(gen, host_page_count, tokens)  # pages 1.., as transfer_bench draws them
+    run = torch.arange(PAGE, PAGE + tokens)
+    return {"random": [Plan(to_device(d), h, to_device(h)) for d, h in zip(device, random_host)],
+            "consecutive": [Plan(to_device(d), run, to_device(run)) for d in device]}
+
+
+def staged_copies(host_tokens, pages: int, chunk_pages: int | None) -> int:
+    """Copies per tensor of the staged write-back: one per page, or (chunk_pages given)
+    one per run of consecutive host pages within each chunk, as each chunk is one call."""
+    if chunk_pages is None or host_tokens is None:
+        return pages
+    span = chunk_pages * PAGE
+    return sum(len(page_runs(host_tokens[start:start + span], True)) for start in range(0, pages * PAGE, span))
+
+
+def page_runs(host_tokens, coalesce: bool) -> list[tuple[int, int, int]]:
+    """(staging token, host token, tokens) of each copy: one per page, or one per run of
+    consecutive host pages; staging pages are in index order, as the staged path fills them."""
+    runs: list[tuple[int, int, int]] = []
+    for i, host in enumerate(host_tokens[::PAGE].tolist()):
+        if coalesce and runs and runs[-1][1] + runs[-1][2] == host:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + PAGE)
+        else:
+            runs.append((i * PAGE, host, PAGE))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------
+# The pools and each path's operation
+
+
+def sync():
+    import torch
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_bytes(shape, dtype, device):
+    import torch
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (shape[0], math.prod(shape[1:]) * itemsize), dtype=torch.uint8, device=device)
+    return raw.view(dtype).view(shape)
+
+
+def same_bytes(a, b) -> bool:
+    import torch
+    return torch.equal(a.to(b.device).contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class PoolBench:
+    """One model shape: SGLang's dense device pool filled with random rows, its
+    page_first host pool, each path's operation on a Plan, and the byte checks.
+
+    With dry=True only the index work runs (no SGLang, no device)."""
+
+    def __init__(self, geom: Geometry, max_tokens: int, gen, dry: bool = False):
+        import torch
+        self.geom, self.gen, self.dry = geom, gen, dry
+        self.size = (max_tokens // PAGE + 16) * PAGE  # 16 spare pages, so random pages vary
+        self.device_pages = torch.arange(1, self.size // PAGE + 1)  # page 0: padded tokens' writes
+        self.stage: dict[int, list] = {}
+        if dry:
+            self.host_page_count = self.size // PAGE + 1  # SGLang's host pool at ratio 1.0 (base.py)
+            return
+        from sglang.kernels.ops.kvcache import hicache
+        self.hc = hicache
+        self.pool = self._device_pool()
+        self.host = self._host_pool()
+        self.host_page_count = self.host.page_num
+
+    def _device_pool(self):
+        import torch
+        from sglang.srt.mem_cache import memory_pool as mp
+        common = dict(size=self.size, page_size=PAGE, dtype=torch.bfloat16, layer_num=self.geom.layers,
+                      device=DEVICE, enable_memory_saver=False)
+        if self.geom.part == "mha":
+            pool = mp.MHATokenToKVPool(head_num=QWEN25_7B.kv_heads, head_dim=QWEN25_7B.head_dim, **common)
+        else:
+            pool = mp.MLATokenToKVPool(kv_lora_rank=DEEPSEEK_V2_LITE.kv_lora_rank,
+                                       qk_rope_head_dim=DEEPSEEK_V2_LITE.qk_rope_head_dim, **common)
+        self.pool = pool
+        for layers in self.device_layers():
+            for layer in layers:
+                layer.normal_()
+        return pool
+
+    def _host_pool(self):
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+        cls = MHATokenToKVPoolHost if self.geom.part == "mha" else MLATokenToKVPoolHost
+        return cls(self.pool, 1.0, 0, PAGE, "page_first", pin_memory=DEVICE == "cuda", device="cpu")
+
+    def host_tensors(self) -> list:
+        """[token][layer][row] host buffers: K and V, or MLA's one."""
+        h = self.host
+        return [h.k_buffer, h.v_buffer] if self.geom.tensors == 2 else [h.kv_buffer]
+
+    def device_layers(self) -> list[list]:
+        p = self.pool
+        return [p.k_buffer, p.v_buffer] if self.geom.tensors == 2 else [p.kv_buffer]
+
+    def device_rows(self, tokens) -> list:
+        """The device's rows of `tokens` in the host's [token][layer][row] order."""
+        import torch
+        return [torch.stack([layer[tokens] for layer in layers], dim=1) for layers in self.device_layers()]
+
+    def plans(self, tokens: int) -> dict[str, list[Plan]]:
+        move = (lambda t: t) if self.dry else (lambda t: t.to(DEVICE))
+        return build_plans(self.gen, self.device_pages, self.host_page_count, tokens, move)
+
+    def operation(self, spec: Spec, tokens: int) -> Callable[[Plan], Callable[[], None]]:
+        """prepare(plan) -> the operation on that plan, ready to call (views made once)."""
+        if spec.kind == "copies":
+            return self._copies(spec, tokens)
+        if self.dry:
+            return lambda plan: (lambda: None)
+        build = {("backup", "staged"): self._staged, ("backup", "direct"): self._direct_backup,
+                 ("load", "sglang"): self._sglang_load, ("load", "direct"): self._direct_load}
+        return build[spec.direction, spec.kind](spec)
+
+    def _staged(self, spec):
+        host, pool = self.host, self.pool
+
+        def prepare(plan):
+            # SGLang's staged write-back takes host indices on the CPU; its fallback
+            # (no write-back JIT) takes them on the device.
+            host_tokens = plan.host_cpu if host.can_use_write_back_jit else plan.host_gpu
+            return lambda: host.backup_from_device_all_layer(pool, host_tokens, plan.device, "kernel")
+        return prepare
+
+    def _direct_backup(self, spec):
+        # As pool_host/mha.py and mla.py call the all-layer kernel for a page_first host
+        # without the staged path (_backup_strided_device_layers): per-layer host tables
+        # of the [layer][token] views, host token stride = all layers' rows (layout_dim),
+        # device token stride = one row (dense pools: token_stride_size).
+        host, pool, hc = self.host, self.pool, self.hc
+        common = dict(element_size=self.geom.element_size, unroll=spec.unroll, block_quota=spec.quota)
+        if self.geom.part == "mha":
+            def prepare(plan):
+                return lambda: hc.transfer_hicache_all_layer(
+                    k_ptr_dst=host.k_data_ptrs, v_ptr_dst=host.v_data_ptrs, indices_dst=plan.host_gpu,
+                    k_ptr_src=pool.k_data_ptrs, v_ptr_src=pool.v_data_ptrs, indices_src=plan.device,
+                    kv_cache_src_stride_bytes=host.token_stride_size,
+                    kv_cache_dst_stride_bytes=host.layout_dim, **common)
+            return prepare
+
+        def prepare_mla(plan):
+            return lambda: hc.transfer_hicache_all_layer_mla(
+                ptr_dst=host.data_ptrs, indices_dst=plan.host_gpu, ptr_src=pool.data_ptrs,
+                indices_src=plan.device, cache_src_stride_bytes=host.token_stride_size,
+                cache_dst_stride_bytes=host.layout_dim, **common)
+        return prepare_mla
+
+    def _sglang_load(self, spec):
+        host, pool, layers = self.host, self.pool, self.geom.layers
+        return lambda plan: (lambda: load_all_layers(host, pool, plan.host_gpu, plan.device, layers))
+
+    def _direct_load(self, spec):
+        # As load_to_device_per_layer calls the one-layer kernel for page_first
+        # (pool_host/mha.py, mla.py): the host layer's strided [token][row] view as
+        # source, with a chosen unroll and block quota instead of SGLang's.
+        host, pool, hc, layers = self.host, self.pool, self.hc, range(self.geom.layers)
+        tuning = dict(unroll=spec.unroll, block_quota=spec.quota)
+        if self.geom.part == "mha":
+            def prepare(plan):
+                def run():
+                    for layer in layers:
+                        hc.transfer_hicache_one_layer(
+                            k_cache_dst=pool.k_buffer[layer], v_cache_dst=pool.v_buffer[layer],
+                            indices_dst=plan.device, k_cache_src=host.k_data_refs[layer],
+                            v_cache_src=host.v_data_refs[layer], indices_src=plan.host_gpu,
+                            element_dim=host.element_dim, **tuning)
+                return run
+            return prepare
+
+        def prepare_mla(plan):
+            def run():
+                for layer in layers:
+                    hc.transfer_hicache_one_layer_mla(
+                        cache_dst=pool.kv_buffer[layer], indices_dst=plan.device,
+                        cache_src=host.data_refs[layer], indices_src=plan.host_gpu,
+                        element_dim=host.kv_cache_dim, **tuning)
+            return run
+        return prepare_mla
+
+    def _copies(self, spec, tokens):
+        """The staged path's copies alone: page p of a device buffer in the staging
+        layout ([token][layer][row], contiguous) to host page p of the plan, one
+        cudaMemcpyAsync per page and tensor (or per run), all K pages then all V pages."""
+        if self.dry:
+            def prepare_dry(plan):
+                page_runs(plan.host_cpu, spec.coalesce)
+                return lambda: None
+            return prepare_dry
+        stage, host_tensors = self.staging_copy(tokens), self.host_tensors()
+
+        def prepare(plan):
+            pairs = [(dst[h:h + n], src[s:s + n]) for dst, src in zip(host_tensors, stage)
+                     for s, h, n in page_runs(plan.host_cpu, spec.coalesce)]
+
+            def run():
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            return run
+        return prepare
+
+    def staging_copy(self, tokens: int) -> list:
+        if tokens not in self.stage:
+            self.stage[tokens] = [random_bytes((tokens, *t.shape[1:]), t.dtype, DEVICE)
+                                  for t in self.host_tensors()]
+        return self.stage[tokens]
+
+    def check(self, spec: Spec, prepare, plan: Plan, tokens: int) -> bool:
+        """Run the path once on `plan` over a poisoned destination; True if every
+        destination row then holds its source's bytes."""
+        if self.dry:
+            return True
+        run = prepare(plan)
+        if spec.kind == "copies":
+            return self._check_backup(run, plan, [s[:len(plan.host_cpu)] for s in self.stage[tokens]])
+        if spec.direction == "backup":
+            return self._check_backup(run, plan)
+        return self._check_load(run, plan)
+
+    def _check_backup(self, run, plan, want=None) -> bool:
+        for t in self.host_tensors():
+            t[plan.host_cpu] = 0  # what the path fails to write stays zero; the device rows are random
+        run()
+        sync()
+        want = self.device_rows(plan.device) if want is None else want
+        return all(same_bytes(t[plan.host_cpu], w) for t, w in zip(self.host_tensors(), want))
+
+    def _check_load(self, run, plan) -> bool:
+        # Fresh host bytes: after the timed runs the device rows may already hold what
+        # the host rows do, and a load that does nothing would pass.
+        fresh = [random_bytes((len(plan.host_cpu), *t.shape[1:]), t.dtype, DEVICE).cpu()
+                 for t in self.host_tensors()]
+        for t, rows in zip(self.host_tensors(), fresh):
+            t[plan.host_cpu] = rows
+        for layers in self.device_layers():
+            for layer in layers:
+                layer[plan.device] = 0
+        run()
+        sync()
+        return all(same_bytes(f, d) for f, d in zip(fresh, self.device_rows(plan.device)))
+
+    def drop_stage(self, tokens: int):
+        self.stage.pop(tokens, None)
+
+    def close(self):
+        if not self.dry:
+            self.host.destroy()  # unregisters the pinned host memory now, not at exit
+        self.host = self.pool = None
+        self.stage.clear()
+        gc.collect()
+        if DEVICE == "cuda" and not self.dry:
+            import torch
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# The compute a transfer competes with
+
+
+class GemmLoad:
+    """A bf16 GEMM loop on a stream of its own, and a second stream for the transfer."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.a, self.b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        self.c = torch.empty_like(self.a)
+        self.stream, self.side = torch.cuda.Stream(), torch.cuda.Stream()
+        self.window(4)  # cuBLAS picks its kernel and workspace here
+        self.per_gemm = statistics.median(self.window(8)[0] for _ in range(3)) / 8
+
+    def window(self, count: int, run=None, i: int = 0):
+        """Launch `count` GEMMs, then (if given) run(i) on the other stream; wait for both.
+        Returns (GEMM loop s, transfer s, whether the transfer ended inside the loop)."""
+        torch = self.torch
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        events[0].record(self.stream)
+        with torch.cuda.stream(self.stream):
+            for _ in range(count):
+                torch.matmul(self.a, self.b, out=self.c)
+        events[1].record(self.stream)
+        if run is not None:
+            with torch.cuda.stream(self.side):  # SGLang's kernels launch on torch's current stream
+                events[2].record(self.side)
+                run(i)
+                events[3].record(self.side)
+        torch.cuda.synchronize()
+        gemm = events[0].elapsed_time(events[1]) / 1e3
+        if run is None:
+            return gemm, None, None
+        inside = events[0].elapsed_time(events[3]) <= events[0].elapsed_time(events[1])
+        return gemm, events[2].elapsed_time(events[3]) / 1e3, inside
+
+    def beside(self, run, nbytes: int, reps: int) -> dict:
+        alone = statistics.median(cuda_times(run, reps, warmup=WARMUP))
+        count = math.ceil(GEMM_COVER * alone / self.per_gemm) + 2
+        for i in range(WARMUP):
+            self.window(count)
+            self.window(count, run, i)
+        gemm_alone = statistics.median(self.window(count)[0] for _ in range(reps))
+        runs = [self.window(count, run, i) for i in range(reps)]
+        gemm_with = statistics.median(r[0] for r in runs)
+        xfer_with = statistics.median(r[1] for r in runs)
+        return footprint_fields(count, self.per_gemm, gemm_alone, gemm_with, alone, xfer_with,
+                                sum(r[2] for r in runs) / reps, nbytes)
+
+
+def footprint_fields(count, per_gemm, gemm_alone, gemm_with, xfer_alone, xfer_with, inside, nbytes) -> dict:
+    return dict(n_gemm=count, gemm_ms=per_gemm * 1e3, gemm_alone_ms=gemm_alone * 1e3,
+                gemm_beside_ms=gemm_with * 1e3, gemm_slowdown=gemm_with / gemm_alone,
+                # GEMM time lost per second of transfer: the share of the GPU the transfer took
+                gemm_lost_share=(gemm_with - gemm_alone) / xfer_with,
+                xfer_alone_GBps=nbytes / xfer_alone / 1e9, xfer_beside_GBps=nbytes / xfer_with / 1e9,
+                inside_share=inside)
+
+
+class FakeGemm:
+    """--dry-run: runs the transfer once, makes the numbers up."""
+
+    def beside(self, run, nbytes: int, reps: int) -> dict:
+        run(0)
+        xfer = nbytes / 50e9
+        return footprint_fields(math.ceil(GEMM_COVER * xfer / 1.6e-3) + 2, 1.6e-3, 0.03, 0.031, xfer, xfer * 1.02,
+                                1.0, nbytes)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU run or dry run
+
+
+def cuda_timer(run, reps, nbytes, kind):
+    return cuda_times(run, reps, warmup=WARMUP)
+
+
+FAKE_GBPS = {"link": 55.0, "staged": 49.0, "direct": 51.0, "copies": 52.0, "sglang": 50.0}
+
+
+def fake_timer(run, reps, nbytes, kind):
+    """Runs `run` as the CUDA timer would, returns made-up times 1-2% apart."""
+    for i in range(WARMUP + reps):
+        run(i)
+    return [nbytes / (FAKE_GBPS[kind] * 1e9) * (1 + 0.01 * (i % 3)) for i in range(reps)]
+
+
+def pinned_copies() -> dict:
+    """The link: a 1 GiB copy between pinned host and device memory, each way."""
+    import torch
+    host = torch.empty(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(LINK_BYTES, dtype=torch.uint8, device="cuda")
+    return {"backup": lambda i: host.copy_(dev, non_blocking=True),
+            "load": lambda i: dev.copy_(host, non_blocking=True)}
+
+
+def no_copies() -> dict:
+    return {"backup": lambda i: None, "load": lambda i: None}
+
+
+def module_name(module) -> str:
+    kind, size, unroll, quota = module
+    return f"{kind}(element_size={size}, unroll={unroll}, block_quota={quota})"
+
+
+def jit_modules(geoms, quotas, facts: KernelFacts) -> list[tuple]:
+    """Every JIT module the run needs: the measured (unroll, quota) pairs, and what the
+    host pools build at start-up (hicache.py: can_use_hicache_jit_kernel,
+    can_use_write_back_jit_kernel)."""
+    modules = set()
+    for geom in geoms:
+        size = geom.element_size
+        modules |= {("hicache", size, u, q) for u in load_unrolls(facts, size) for q in quotas}
+        modules |= {("hicache", size, u, facts.default_quota) for u in facts.pool_unrolls(size)}
+        modules.add(("staged", size, facts.default_unroll(size), facts.default_quota))
+    return sorted(modules)
+
+
+def build_jit_modules(modules) -> dict:
+    """Compile the modules in parallel, then SGLang's cached module factories return
+    them without a build. Each build runs ninja and nvcc in a subprocess of its own;
+    load_jit takes a file lock per module and publishes a build by renaming it, so
+    builds of different modules do not meet. Loading a built library (dlopen through
+    tvm-ffi) is kept to one thread at a time: nothing is gained by doing it at once."""
+    from sglang.kernels.jit.utils.compile import loader
+    from sglang.kernels.ops.kvcache import hicache as hc
+    factories = {"hicache": hc._jit_hicache_module, "staged": hc._jit_hicache_staged_module}
+    started = time.monotonic()
+    print(f"JIT: building {len(modules)} modules in parallel", flush=True)
+
+    def build(module):
+        kind, size, unroll, quota = module
+        factories[kind](element_size=size, unroll=unroll, block_quota=quota)
+
+    load, one_at_a_time = getattr(loader, "_load", None), threading.Lock()
+
+    def serial_load(library):
+        with one_at_a_time:
+            return load(library)
+
+    if load is not None:
+        loader._load = serial_load
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(modules), os.cpu_count() or 1))) as pool:
+            futures = [(m, pool.submit(build, m)) for m in modules]
+    finally:
+        if load is not None:
+            loader._load = load
+    errors = {module_name(m): describe(f.exception()) for m, f in futures if f.exception() is not None}
+    seconds = time.monotonic() - started
+    print(f"JIT: {len(modules) - len(errors)} of {len(modules)} built in {seconds:.0f} s", flush=True)
+    return dict(modules=[module_name(m) for m in modules], seconds=seconds, errors=errors)
+
+
+def listed_modules(modules) -> dict:
+    return dict(modules=[module_name(m) for m in modules], seconds=0.0, errors={})
+
+
+@dataclass
+class Backend:
+    """What differs between a GPU run and a dry run."""
+
+    dry: bool
+    facts: KernelFacts
+    timer: Callable  # (run, reps, nbytes, kind) -> seconds per repetition
+    link: Callable[[], dict]  # direction -> run(i)
+    make_gemm: Callable[[], object]
+    build: Callable[[list], dict]  # JIT modules -> what was built
+    _gemm: object = None
+
+    def gemm(self):
+        if self._gemm is None:
+            self._gemm = self.make_gemm()
+        return self._gemm
+
+    def pool_bench(self, geom, max_tokens, gen) -> PoolBench:
+        return PoolBench(geom, max_tokens, gen, dry=self.dry)
+
+
+def cuda_backend() -> Backend:
+    import_sglang("patched-dense")  # SGLang's own pools, single-rank stubs
+    return Backend(dry=False, facts=sglang_kernel_facts(), timer=cuda_timer, link=pinned_copies,
+                   make_gemm=GemmLoad, build=build_jit_modules)
+
+
+def dry_backend() -> Backend:
+    return Backend(dry=True, facts=DRY_FACTS, timer=fake_timer, link=no_copies, make_gemm=FakeGemm,
+                   build=listed_modules)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows, the driver and the tables
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
+
+
+def row_label(row: dict) -> str:
+    parts = [str(row[k]) for k in ("pool", "direction", "path") if row.get(k) is not None]
+    return " ".join(parts) + (f" @ {row['tokens']} tokens" if row.get("tokens") else "")
+
+
+def progress_line(row: dict, elapsed: float) -> str:
+    head = f"[{elapsed:6.1f} s] {row_label(row)}"
+    if "error" in row:
+        return f"{head}: {row['error']}"
+    if "gemm_slowdown" in row:
+        return (f"{head}: GEMM x{row['gemm_slowdown']:.3f} ({row['gemm_lost_share']:.3f} of it while the "
+                f"transfer ran), transfer {row['xfer_beside_GBps']:.2f} GB/s beside it")
+    of_link = row.get("of_link")
+    return (f"{head}: {row['GBps']:.2f} GB/s" + (f" ({of_link:.3f} of the link)" if of_link else "")
+            + (f", bytes ok: {row['bytes_ok']}" if "bytes_ok" in row else ""))
+
+
+class Recorder:
+    """Rows as they come: kept, written to --out (replaced whole each time) and logged."""
+
+    def __init__(self, out: str, meta: dict, deadline: float, started: float):
+        self.out, self.deadline, self.started = out, deadline, started
+        self.data = {"meta": meta, "rows": [], "footprint": []}
+        self.write()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def expired(self) -> bool:
+        return self.deadline is not None and self.elapsed() > self.deadline
+
+    def add(self, row: dict, table: str = "rows"):
+        self.data[table].append(row)
+        self.write()
+        print(progress_line(row, self.elapsed()), flush=True)
+
+    def write(self):
+        partial = f"{self.out}.partial"
+        with open(partial, "w") as handle:
+            json.dump(self.data, handle, indent=1)
+        os.replace(partial, self.out)  # never a half-written file, even when killed
+
+
+def row_fields(geom: Geometry, spec: Spec, tokens: int, facts: KernelFacts, host_tokens=None) -> dict:
+    return dict(pool=geom.label, direction=spec.direction, path=spec.name, tokens=tokens,
+                **launch_shape(spec, geom, tokens, facts, host_tokens))
+
+
+def measure_link(rec: Recorder, backend: Backend, reps: int) -> dict:
+    link = {}
+    for direction, run in backend.link().items():
+        fields = dict(pool="link", direction=direction, path=f"pinned copy, {LINK_BYTES >> 30} GiB", tokens=None)
+        if rec.expired():
+            rec.add(dict(fields, error=NOT_STARTED))
+            continue
+        try:
+            row = timed_row(LINK_BYTES, backend.timer(run, reps, LINK_BYTES, "link"), **fields)
+            link[direction] = row["GBps"]
+        except Exception as exc:
+            row = dict(fields, error=describe(exc))
+        rec.add(row)
+    return link
+
+
+def measure_path(bench: PoolBench, spec: Spec, tokens: int, plans, reps: int, backend: Backend,
+                 rec: Recorder, link: dict):
+    """Time one path over the rotating plans, check its bytes, record the row.
+    Returns the timed callable (for the footprint), or None if it failed."""
+    if rec.expired():
+        rec.add(dict(row_fields(bench.geom, spec, tokens, backend.facts), error=NOT_STARTED))
+        return None
+    nbytes, group = tokens * bench.geom.token_bytes, plans[spec.host_pages]
+    fields = row_fields(bench.geom, spec, tokens, backend.facts, group[0].host_cpu)
+    try:
+        prepare = bench.operation(spec, tokens)
+        operations = [prepare(plan) for plan in group]
+
+        def run(i):
+            operations[i % len(operations)]()
+        row = timed_row(nbytes, backend.timer(run, reps, nbytes, spec.kind), **fields)
+    except Exception as exc:
+        rec.add(dict(fields, error=describe(exc)))
+        return None
+    row["of_link"] = row["GBps"] / link[spec.direction] if link.get(spec.direction) else None
+    check_plan = group[0].head(min(tokens, CHECK_TOKENS))
+    row["check_tokens"] = len(check_plan.host_cpu)
+    try:
+        row["bytes_ok"] = bench.check(spec, prepare, check_plan, tokens)
+    except Exception as exc:
+        row.update(bytes_ok=False, check_error=describe(exc))
+    rec.add(row)
+    return run
+
+
+def measure_footprint(bench: PoolBench, chosen: list, tokens: int, plans, reps: int, backend: Backend,
+                      rec: Recorder, link: dict):
+    """Each chosen (spec, run): the GEMM loop alone and with the transfer beside it."""
+    nbytes = tokens * bench.geom.token_bytes
+    for spec, run in chosen:
+        host_tokens = plans[spec.host_pages][0].host_cpu if plans else None
+        fields = row_fields(bench.geom, spec, tokens, backend.facts, host_tokens)
+        if rec.expired():
+            rec.add(dict(fields, error=NOT_STARTED), "footprint")
+            continue
+        if run is None:
+            rec.add(dict(fields, error="not measured: the path failed in its bandwidth row"), "footprint")
+            continue
+        try:
+            row = dict(fields, **backend.gemm().beside(run, nbytes, reps))
+            row["xfer_beside_of_link"] = (row["xfer_beside_GBps"] / link[spec.direction]
+                                          if link.get(spec.direction) else None)
+        except Exception as exc:
+            row = dict(fields, error=describe(exc))
+        rec.add(row, "footprint")
+
+
+def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: dict, gen):
+    unrolls = load_unrolls(backend.facts, geom.element_size)
+    wanted = [] if args.skip_footprint else footprint_specs(unrolls[0], args.quotas)
+    if rec.expired():  # no pools built for nothing; the rows still say what was not started
+        for tokens in args.tokens:
+            for spec in path_specs(tokens, args.quotas, unrolls):
+                rec.add(dict(row_fields(geom, spec, tokens, backend.facts), error=NOT_STARTED))
+            if tokens == footprint_tokens(args.tokens):
+                for spec in wanted:
+                    rec.add(dict(row_fields(geom, spec, tokens, backend.facts), error=NOT_STARTED), "footprint")
+        return
+    bench = backend.pool_bench(geom, max(args.tokens), gen)
+    try:
+        for tokens in args.tokens:
+            plans = None if rec.expired() else bench.plans(tokens)  # past the deadline rows only say so
+            runs = {}
+            for spec in path_specs(tokens, args.quotas, unrolls):
+                runs[spec] = measure_path(bench, spec, tokens, plans, args.reps, backend, rec, link)
+            if tokens == footprint_tokens(args.tokens) and wanted:
+                measure_footprint(bench, [(s, runs.get(s)) for s in wanted], tokens, plans, args.reps, backend,
+                                  rec, link)
+            bench.drop_stage(tokens)
+    finally:
+        bench.close()
+
+
+def run_benchmark(args, backend: Backend, started: float) -> dict:
+    import torch
+    rec = Recorder(args.out, meta_block(args, backend.dry), args.deadline, started)
+    geoms = [GEOMETRIES[p] for p in args.parts]
+    link = measure_link(rec, backend, args.reps)
+    rec.data["meta"]["jit"] = backend.build(jit_modules(geoms, args.quotas, backend.facts))
+    rec.write()
+    gen = torch.Generator().manual_seed(0)
+    for geom in geoms:
+        try:
+            measure_pool(geom, args, backend, rec, link, gen)
+        except Exception as exc:  # the pools could not be built: the other shape still runs
+            rec.add(dict(pool=geom.label, error=describe(exc)))
+    print(tables(rec.data), flush=True)
+    return rec.data
+
+
+def nvidia_driver() -> str:
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({describe(exc)})"
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def meta_block(args, dry: bool) -> dict:
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), args=vars(args), dry_run=dry, page_size=PAGE,
+                warmup=WARMUP, check_tokens=CHECK_TOKENS, copy_tokens=list(COPY_TOKENS),
+                footprint_tokens=footprint_tokens(args.tokens),
+                gemm=f"bf16 {GEMM_N}x{GEMM_N} @ {GEMM_N}x{GEMM_N}, loop of {GEMM_COVER}x the transfer alone + 2",
+                geometry={k: asdict(g) for k, g in GEOMETRIES.items() if k in args.parts})
+    if dry:
+        return dict(meta, gpu="none: --dry-run, made-up timings")
+    import sglang
+    import torch
+    site = os.path.dirname(os.path.dirname(sglang.__file__))
+    try:
+        series = series_applied(site)
+    except Exception as exc:
+        series = f"unknown ({describe(exc)})"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (no CUDA device)"
+    return dict(meta, gpu=gpu, driver=nvidia_driver(), torch=torch.__version__,
+                cuda=torch.version.cuda, sglang=os.path.dirname(sglang.__file__), series=series)
+
+
+def cell(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def tables(data: dict) -> str:
+    rows, meta = data["rows"], data["meta"]
+    link = {r["direction"]: r["GBps"] for r in rows if r.get("pool") == "link" and "GBps" in r}
+    ok = {True: "yes", False: "NO", None: "-"}
+    lines = [f"{meta.get('gpu')}, driver {meta.get('driver', '-')}, torch {meta.get('torch', '-')}, "
+             f"SGLang {meta.get('sglang', '-')} ({meta.get('series', '-')}), {meta['date']}",
+             f"pinned copy ({LINK_BYTES >> 30} GiB): D2H {cell(link.get('backup'))} GB/s, "
+             f"H2D {cell(link.get('load'))} GB/s", "",
+             "| pool | dir | path | tokens | GB/s | /link | bytes ok | grid (blocks x threads) | kernels | copies |",
+             "|---|---|---|---:|---:|---:|---|---|---:|---:|"]
+    for r in rows:
+        if r.get("pool") == "link" or "error" in r:
+            continue
+        lines.append(f"| {r['pool']} | {r['direction']} | {r['path']} | {r['tokens']} | {r['GBps']:.2f} "
+                     f"| {cell(r.get('of_link'), 3)} | {ok[r.get('bytes_ok')]} | {r['grid']} | {r['kernels']} "
+                     f"| {r['copies']} |")
+    lines += [f"check failed: {row_label(r)}: {r['check_error']}" for r in rows if "check_error" in r]
+    measured = [r for r in data["footprint"] if "error" not in r]
+    if measured:
+        lines += ["", "Footprint: a bf16 GEMM loop alone and with one transfer on another stream",
+                  "| pool | dir | path | tokens | grid | GEMMs | GEMM ms alone | beside | slowdown "
+                  "| GEMM lost / transfer s | transfer GB/s alone | beside | /link | inside |",
+                  "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in measured:
+        lines.append(f"| {r['pool']} | {r['direction']} | {r['path']} | {r['tokens']} | {r['grid']} | {r['n_gemm']} "
+                     f"| {r['gemm_alone_ms']:.2f} | {r['gemm_beside_ms']:.2f} | {r['gemm_slowdown']:.3f} "
+                     f"| {r['gemm_lost_share']:.3f} | {r['xfer_alone_GBps']:.2f} | {r['xfer_beside_GBps']:.2f} "
+                     f"| {cell(r.get('xfer_beside_of_link'), 3)} | {r['inside_share']:.2f} |")
+    errors = [f"not measured: {row_label(r)}: {r['error']}" for r in rows + data["footprint"] if "error" in r]
+    jit_errors = [f"JIT build failed: {name}: {e}" for name, e in meta.get("jit", {}).get("errors", {}).items()]
+    return "\n".join(lines + ([""] if errors or jit_errors else []) + errors + jit_errors)
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return values
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int_list, default=list(TOKENS),
+                    help=f"batch sizes in tokens, multiples of {PAGE} (default {','.join(map(str, TOKENS))})")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per row, after two warm-ups")
+    ap.add_argument("--parts", default=",".join(PARTS), help="mha, mla or both")
+    ap.add_argument("--quotas", type=int_list, default=list(QUOTAS),
+                    help="block quotas of the direct kernels (each is a JIT module per unroll and row size)")
+    ap.add_argument("--skip-footprint", action="store_true", help="no GEMM-beside-transfer measurement")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "link-paths.json"))
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start after which no row starts (the rest are listed as not started); "
+                         "default: none")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU, no SGLang: made-up timings")
+    args = ap.parse_args(argv)
+    bad = [t for t in args.tokens if t <= 0 or t % PAGE]
+    if bad:
+        ap.error(f"--tokens: {bad} not positive multiples of the page size {PAGE}")
+    if len(set(args.tokens)) != len(args.tokens):
+        ap.error("--tokens: a size is listed twice")
+    args.parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(args.parts) - set(PARTS)) or ([] if args.parts else ["(none)"])
+    if unknown:
+        ap.error(f"--parts: unknown {','.join(unknown)} (any of {','.join(PARTS)})")
+    if len(set(args.parts)) != len(args.parts):
+        ap.error("--parts: a part is listed twice")
+    if any(q <= 0 for q in args.quotas):
+        ap.error("--quotas: block quotas must be positive")
+    if args.reps < 1:
+        ap.error("--reps: at least 1")
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        ap.error(f"--out: no directory {directory}")
+    return args
+
+
+def main(argv=None):
+    started = time.monotonic()
+    args = parse_args(argv)
+    backend = dry_backend() if args.dry_run else cuda_backend()
+    run_benchmark(args, backend, started)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ backup, device -> pinned host:
   sglang staged write-back   the host pool's own backup_from_device_all_layer: a gather
                              kernel into a device staging buffer, 64 pages at a time, then
                              one copy per host page and K/V, or per run of consecutive host
-                             pages where the tree merges them (a draft patch), in
+                             pages where the tree merges them (the series' patch 0009), in
                              one cudaMemcpyBatchAsync per chunk where the driver has it;
                              random or consecutive host pages
   direct all-layer kernel    transfer_hicache_all_layer[_mla]: the GPU writes the pinned
@@ -146,7 +146,7 @@ def sglang_kernel_facts() -> KernelFacts:
 
 def staged_merges_runs() -> bool:
     """Whether the staged write-back the JIT compiles copies a run of consecutive host
-    pages at once (staged_write_back.cuh: consecutive_host_pages, a draft patch) or
+    pages at once (staged_write_back.cuh: consecutive_host_pages, patch 0009) or
     each page on its own (SGLang 0.5.20): the rows' copy counts follow it."""
     from sglang.kernels.jit.utils import KERNEL_PATH
     source = KERNEL_PATH / "csrc" / "kvcacheio" / "staged_write_back.cuh"

@@ -87,3 +87,42 @@ def test_page_first_backups_of_host_page_runs(host_modules):
                     head_dim=HEAD_DIM, dtype=torch.bfloat16)
     host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
     run("MHA", pool, host, mha_families(pool, host), 16, "kernel", max_pages=5, host_runs=True)
+
+
+# MHA over both device layouts: the host pool's strided and dense backup paths each pass
+# its pinned pieces on.
+@pytest.mark.parametrize("kind,device_layout", [("MHA", "kvcached-contiguous"), ("MHA", "kvcached-per-layer"),
+                                                ("MLA", "kvcached-contiguous")])
+def test_page_first_backup_copies_stay_within_one_host_registration(kernel_emulation, host_modules, kind,
+                                                                    device_layout):
+    # SGLang pins a large host pool in pieces cut at page boundaries
+    # (_cuda_host_register; SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB), and one copy must not
+    # span two. Here the pool is "registered" in pieces of 3 pages: backups of host page
+    # runs across them, and every copy of the staged write-back stays inside one piece.
+    page = 16
+    if kind == "MHA":
+        pool = mha_pool(device_layout, size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
+                        heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+        host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, page, "page_first", pin_memory=False,
+                                                     device="cpu")
+        families = mha_families(pool, host)
+    else:
+        pool = mla_pool(device_layout, size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
+                        kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, dtype=torch.bfloat16)
+        host = host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, page, "page_first", pin_memory=False,
+                                                     device="cpu")
+        families = mla_families(pool, host)
+    buffer = host.kv_buffer
+    page_bytes = page * host.layout_dim
+    piece = 3 * page_bytes
+    total = buffer.numel() * buffer.element_size()
+    pieces = [(buffer.data_ptr() + offset, min(piece, total - offset)) for offset in range(0, total, piece)]
+    buffer._sglang_cuda_host_registered_ranges = pieces
+    run(kind, pool, host, families, page, "kernel", max_pages=5, host_runs=True)
+    copies = kernel_emulation.recorder.host_copies
+    assert copies
+    for address, nbytes in copies:
+        assert any(start <= address and address + nbytes <= start + size for start, size in pieces), (
+            f"a copy of {nbytes} bytes at {address:#x} spans two host registrations")
+    # runs were copied at once where they stayed in one piece
+    assert any(nbytes > page_bytes for _, nbytes in copies)

@@ -26,12 +26,14 @@ def backup_indices(host, rows):
     return rows if host.can_use_write_back_jit else rows.cuda()
 
 
-def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout, used=48, **trip_options):
+def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout, used=48, check_host=None, **trip_options):
     """Random data in `used` allocated pages, poisoned host bytes, `trips` round trips."""
     used_pages = pool.kvcached_allocator.alloc(used)
     generator = torch.Generator().manual_seed(0)
     host = host_cls(pool, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
     try:
+        if check_host:
+            check_host(host)
         families = families_of(pool, host)
         fill_random(families, pages_to_rows(used_pages, PAGE), generator)
         poison(host.kv_buffer, generator)
@@ -72,6 +74,58 @@ def test_mha_page_first_backups_of_host_page_runs(trips):
     run_kv_roundtrip("MHA Qwen2.5-7B, host page runs", mha_pool(QWEN25_7B, pages=4 * RUN_PAGES),
                      MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first",
                      used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
+
+
+def test_mha_page_first_backups_of_host_page_runs_across_host_registrations(trips, monkeypatch):
+    # SGLang pins a host pool in pieces of SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB (1 GiB at
+    # least, cut at page boundaries), and one copy must not span two: here about 2.9 GB of
+    # host pool (801 pages of 1.8 MB for K, as many for V) in pieces of 585 pages, so K's
+    # first boundary is at host page 585 and V's at page 369. Besides the bytes, every
+    # write-back launch is checked: no run of consecutive host pages in it crosses a piece,
+    # and some backups had a run that did, cut at the boundary.
+    from sglang.kernels.ops.kvcache import hicache
+
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "1")
+    launches, cut_at_a_boundary = [], []
+    plan_launches = hicache._staged_write_back_calls
+
+    def piece_of(address, pieces):
+        return next(i for i, (start, size) in enumerate(pieces) if start <= address < start + size)
+
+    def recorded(dst_indices, dsts, pieces, num_pages, page_size, capacity):
+        calls = plan_launches(dst_indices, dsts, pieces, num_pages, page_size, capacity)
+        first = dst_indices[::page_size].tolist()
+        for dst in dsts:
+            page_address = [dst.data_ptr() + h * dst.stride(0) * dst.element_size() for h in first]
+            for begin, count in calls:
+                for i in range(begin + 1, begin + count):
+                    if first[i] == first[i - 1] + page_size:
+                        assert piece_of(page_address[i], pieces) == piece_of(page_address[i - 1], pieces)
+                if begin and first[begin] == first[begin - 1] + page_size:
+                    cut_at_a_boundary.append(
+                        piece_of(page_address[begin], pieces) != piece_of(page_address[begin - 1], pieces))
+        launches.extend(calls)
+        return calls
+
+    monkeypatch.setattr(hicache, "_staged_write_back_calls", recorded)
+
+    def in_pieces(host):
+        pieces = getattr(host.kv_buffer, "_sglang_cuda_host_registered_ranges", ())
+        assert len(pieces) >= 2, f"host pool pinned in {len(pieces)} piece(s)"
+
+    run_kv_roundtrip("MHA Qwen2.5-7B, host page runs, 1 GiB registrations",
+                     mha_pool(QWEN25_7B, pages=4 * RUN_PAGES), MHATokenToKVPoolHost, mha_families,
+                     min(trips, 100), "page_first", used=2 * RUN_PAGES, check_host=in_pieces,
+                     max_pages=RUN_PAGES, host_runs=True)
+    assert launches and any(cut_at_a_boundary), "no backup had a run across a registration boundary"
+
+
+def test_mha_page_first_backups_of_small_host_page_runs(trips):
+    # One layer: 64 KiB pages, under the staged write-back's 128 KiB batch threshold, so
+    # its copies go one cudaMemcpyAsync each (the batched path serves larger pages).
+    run_kv_roundtrip("MHA Qwen2.5-7B one layer, host page runs", mha_pool(QWEN25_7B, layers=1, pages=4 * RUN_PAGES),
+                     MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first", used=2 * RUN_PAGES,
+                     max_pages=RUN_PAGES, host_runs=True)
 
 
 def test_mla_page_first_backups_of_host_page_runs(trips):

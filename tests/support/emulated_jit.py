@@ -23,6 +23,7 @@ launch geometry.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ class Recorder:
 
     builds: list = field(default_factory=list)    # (module name, template args)
     launches: list = field(default_factory=list)  # Launch
+    host_copies: list = field(default_factory=list)  # (host address, bytes) of each staged copy
 
 
 # ---------------------------------------------------------------------------------
@@ -138,8 +140,11 @@ def _staged_compiles(element_size, unroll, block_quota, block_size):
           f"static_assert: hicache_relayout_kernel requires 16-byte aligned element size ({element_size})")
 
 
-def _staged(template, dsts, dst_indices_cpu, stagings, page_indices_src, ptr_srcs, page_size, stride):
-    """run_staged_impl: relayout the pages into staging, then copy each page to host."""
+def _staged(template, dsts, dst_indices_cpu, stagings, page_indices_src, ptr_srcs, page_size, stride,
+            merge_host_runs=False, host_copies=None):
+    """run_staged_impl: relayout the pages into staging, then copy them to host: one copy per
+    page, or (merge_host_runs: a tree whose kernel has consecutive_host_pages) one per run
+    of consecutive host pages. Each copy's host address and size go to host_copies."""
     element_size = template[0]
     T, N, D, P = Symbol("num_tokens"), Symbol("num_layers"), Symbol("element_dim"), Symbol("num_pages")
     cache_dtype = Symbol("cache dtype")
@@ -178,21 +183,30 @@ def _staged(template, dsts, dst_indices_cpu, stagings, page_indices_src, ptr_src
         dst_page_bytes = page_size * dst.stride(0) * dst.element_size()
         check(src_page_bytes == dst_page_bytes, "Source and destination page spans must match")
         src_region, dst_region = Region.of_tensor(staging, "staging"), Region.of_tensor(dst, "cache_dst")
-        for p in range(len(pages)):
-            copy(dst_region, host_rows[p * page_size] * dst.stride(0) * dst.element_size(),
-                 src_region, p * src_page_bytes, src_page_bytes)
+        p = 0
+        while p < len(pages):
+            run = 1
+            while merge_host_runs and p + run < len(pages) and (
+                    host_rows[(p + run) * page_size] == host_rows[p * page_size] + run * page_size):
+                run += 1
+            offset = host_rows[p * page_size] * dst.stride(0) * dst.element_size()
+            copy(dst_region, offset, src_region, p * src_page_bytes, run * src_page_bytes)
+            if host_copies is not None:
+                host_copies.append((dst.data_ptr() + offset, run * src_page_bytes))
+            p += run
     return len(pages)
 
 
 def run_all_lf_pf_staged(t, k_cache_dst, v_cache_dst, dst_indices_cpu, staging_k, staging_v, page_indices_src,
-                         k_ptr_src, v_ptr_src, page_size, *stride):
+                         k_ptr_src, v_ptr_src, page_size, *stride, **copying):
     return _staged(t, [k_cache_dst, v_cache_dst], dst_indices_cpu, [staging_k, staging_v], page_indices_src,
-                   [k_ptr_src, v_ptr_src], page_size, *(stride or (None,)))
+                   [k_ptr_src, v_ptr_src], page_size, *(stride or (None,)), **copying)
 
 
-def run_all_mla_lf_pf_staged(t, cache_dst, dst_indices_cpu, staging, page_indices_src, ptr_src, page_size, *stride):
+def run_all_mla_lf_pf_staged(t, cache_dst, dst_indices_cpu, staging, page_indices_src, ptr_src, page_size, *stride,
+                             **copying):
     return _staged(t, [cache_dst], dst_indices_cpu, [staging], page_indices_src, [ptr_src], page_size,
-                   *(stride or (None,)))
+                   *(stride or (None,)), **copying)
 
 
 # ---------------------------------------------------------------------------------
@@ -337,6 +351,9 @@ def make_loader(kernel_root: Path, recorder: Recorder):
                 raise KernelError(f"{cls}::{method}{[p for _, p in params]}: a signature this emulation does "
                                   f"not know; update {__name__}")
             compiles(*template)
+            if cls == "HiCacheStagedWriteBackKernel":
+                merges = any("consecutive_host_pages" in path.read_text() for path in sources)
+                emulation = functools.partial(emulation, merge_host_runs=merges, host_copies=recorder.host_copies)
             exports[export] = EmulatedKernel(export, emulation, params, template, recorder)
         recorder.builds.append((name, tuple(str(a) for a in template_args)))
         return EmulatedModule(name, exports)

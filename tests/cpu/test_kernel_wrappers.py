@@ -222,3 +222,30 @@ def test_sgl_kernel_copies_follow_each_host_layout(host_modules, layout):
             others = torch.ones(view.shape[0], dtype=torch.bool)
             others[load_rows] = False
             assert torch.equal(view[others].view(torch.uint8), originals[kind][layer][others].view(torch.uint8))
+
+
+def test_staged_write_back_launches_stop_at_the_staging_size_and_at_host_registration_pieces(hicache):
+    # 10 host pages of 4 tokens (128 bytes a page), "pinned" in pieces of 3 pages: host
+    # pages 1-5 in a row cross a piece before page 3, so a launch ends there too.
+    buffer = torch.zeros(2, 40, 8)
+    page_bytes = 4 * 8 * 4
+    total = buffer.numel() * 4
+    pieces = [(buffer.data_ptr() + offset, min(3 * page_bytes, total - offset))
+              for offset in range(0, total, 3 * page_bytes)]
+    host_rows = torch.arange(4, 24)
+    plan = hicache._staged_write_back_calls
+    assert plan(host_rows, [buffer[0]], pieces, 5, 4, 64) == [(0, 2), (2, 3)]
+    assert plan(host_rows, [buffer[0]], pieces, 5, 4, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert plan(host_rows, [buffer[0]], pieces, 5, 4, 1) == [(i, 1) for i in range(5)]
+    # V's pages sit 10 pages further: its pieces cut host pages 1-5 before page 2 and page 5
+    assert plan(host_rows, [buffer[0], buffer[1]], pieces, 5, 4, 64) == [(0, 1), (1, 1), (2, 2), (4, 1)]
+    # two pages, and a pool in two pieces, are cut as well
+    assert plan(host_rows[4:12], [buffer[0]], pieces, 2, 4, 64) == [(0, 1), (1, 1)]   # pages 2, 3
+    two_pieces = [(buffer.data_ptr(), 3 * page_bytes), (buffer.data_ptr() + 3 * page_bytes, total - 3 * page_bytes)]
+    assert plan(host_rows, [buffer[0]], two_pieces, 5, 4, 64) == [(0, 2), (2, 3)]
+    # one piece, or pages that do not follow each other: nothing to cut
+    assert plan(host_rows, [buffer[0]], pieces[:1], 5, 4, 64) == [(0, 5)]
+    scattered = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in (1, 3, 5)])
+    assert plan(scattered, [buffer[0]], pieces, 3, 4, 64) == [(0, 3)]
+    with pytest.raises(ValueError, match="less than one page of 4 tokens"):
+        plan(host_rows, [buffer[0]], pieces, 5, 4, 0)

@@ -32,9 +32,14 @@ load, pinned host -> device:
   sglang load_to_device_per_layer, every layer
   direct per-layer kernel    transfer_hicache_one_layer[_mla] per layer; block quota x
                              unroll (SGLang's default and twice it)
+  copy engine alone          what a per-layer load could hand the copy engine: for each
+                             layer and tensor one strided copy (cudaMemcpy2DAsync) per run
+                             of consecutive host pages, a row (1-1.1 KB) per token, into a
+                             dense device buffer (the scatter to the pool's pages not done)
 footprint (16,384 tokens): a bf16 8192x8192 GEMM loop on a stream of its own, timed alone
   and while one transfer runs on another stream: the GEMM's slowdown, the share of its
-  time the transfer took, and the transfer's GB/s beside it.
+  time the transfer took, and the transfer's GB/s beside it; --footprint-repeats times,
+  the paths taking turns, so that the rows show their spread.
 
 Each row gives the launch grid (blocks x threads) and its kernels and copies: how many SMs
 a path holds. After its timing a path runs once more on a poisoned destination (fresh
@@ -47,6 +52,8 @@ starts after --deadline seconds. The tables are printed last.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import gc
 import json
 import math
@@ -184,6 +191,8 @@ class Spec:
             return f"sglang staged write-back, {self.host_pages} host pages"
         if self.kind == "sglang":
             return "sglang load_to_device_per_layer"
+        if self.kind == "copies" and self.direction == "load":
+            return f"copy engine alone, one strided copy per layer and run, {self.host_pages} host pages"
         if self.kind == "copies":
             how = "one copy per run" if self.coalesce else "one copy per page"
             return f"copy engine alone, {how}, {self.host_pages} host pages"
@@ -200,11 +209,14 @@ def path_specs(tokens: int, quotas, unrolls) -> list[Spec]:
                   Spec("backup", "copies", "consecutive", coalesce=True)]
     specs.append(Spec("load", "sglang"))
     specs += [Spec("load", "direct", quota=q, unroll=u) for u in unrolls for q in quotas]
+    if tokens in COPY_TOKENS:
+        specs.append(Spec("load", "copies", "consecutive", coalesce=True))
     return specs
 
 
 def footprint_specs(default_unroll: int, quotas) -> list[Spec]:
     wanted = [Spec("backup", "staged", "random"),
+              Spec("backup", "staged", "consecutive"),
               Spec("backup", "direct", quota=2, unroll=default_unroll),
               Spec("backup", "direct", quota=4, unroll=default_unroll),
               Spec("load", "sglang"),
@@ -232,7 +244,10 @@ def launch_shape(spec: Spec, geom: Geometry, tokens: int, facts: KernelFacts, ho
                     kernels=-(-pages // facts.staging_pages), copies=geom.tensors * staged_copies(
                         host_tokens, pages, facts.staging_pages if facts.staged_merges_runs else None))
     if spec.kind == "copies":
-        return dict(grid="copy engine", kernels=0, copies=geom.tensors * (1 if spec.coalesce else pages))
+        runs = len(page_runs(host_tokens, True)) if host_tokens is not None and spec.coalesce else (
+            1 if spec.coalesce else pages)
+        per_layer = geom.layers if spec.direction == "load" else 1
+        return dict(grid="copy engine", kernels=0, copies=geom.tensors * per_layer * runs)
     quota, unroll = spec.quota, spec.unroll
     if spec.kind == "sglang":  # SGLang's load picks both itself (hicache.py: _unroll_for_batch)
         quota = facts.default_quota
@@ -300,6 +315,52 @@ def sync():
         torch.cuda.synchronize()
 
 
+def torch_empty(shape, dtype):
+    import torch
+    return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+
+def copy_rows(dst, src):
+    """dst <- src, rows of equal width: `src` a pinned host view whose rows lie a fixed
+    pitch apart, `dst` dense. On CUDA one cudaMemcpy2DAsync on the current stream (torch's
+    copy_ would first gather a strided host source on the CPU); elsewhere torch's copy."""
+    if DEVICE != "cuda":
+        dst.copy_(src)
+        return
+    import torch
+    width = src[0].numel() * src.element_size()
+    assert src[0].is_contiguous() and dst.is_contiguous() and dst.shape == src.shape
+    status = cudart().cudaMemcpy2DAsync(
+        ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(width), ctypes.c_void_p(src.data_ptr()),
+        ctypes.c_size_t(src.stride(0) * src.element_size()), ctypes.c_size_t(width),
+        ctypes.c_size_t(src.shape[0]), ctypes.c_int(CUDA_MEMCPY_DEFAULT),
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if status:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: error {status}")
+
+
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+
+
+@functools.cache
+def cudart():
+    """The CUDA runtime torch has loaded (by its soname: the same library, context and
+    streams as torch's)."""
+    import torch
+    major = torch.version.cuda.split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    for folder in sys.path:  # pip's CUDA wheels: nvidia/cu<major>/lib or nvidia/cuda_runtime/lib
+        for sub in (f"nvidia/cu{major}/lib", "nvidia/cuda_runtime/lib"):
+            path = os.path.join(folder, sub, f"libcudart.so.{major}")
+            if os.path.exists(path):
+                return ctypes.CDLL(path)
+    raise OSError(f"no libcudart.so.{major} found")
+
+
 def random_bytes(shape, dtype, device):
     import torch
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -323,7 +384,7 @@ class PoolBench:
         self.geom, self.gen, self.dry = geom, gen, dry
         self.size = (max_tokens // PAGE + 16) * PAGE  # 16 spare pages, so random pages vary
         self.device_pages = torch.arange(1, self.size // PAGE + 1)  # page 0: padded tokens' writes
-        self.stage: dict[int, list] = {}
+        self.stage: dict = {}  # tokens -> backup staging copy; ("load", tokens) -> load buffer
         if dry:
             self.host_page_count = self.size // PAGE + 1  # SGLang's host pool at ratio 1.0 (base.py)
             return
@@ -449,6 +510,39 @@ class PoolBench:
         return prepare_mla
 
     def _copies(self, spec, tokens):
+        if spec.direction == "load":
+            return self._layer_copies(tokens)
+        return self._page_copies(spec, tokens)
+
+    def _layer_copies(self, tokens):
+        """A load through the copy engine, layer by layer as SGLang loads: per layer and
+        tensor, one strided copy per run of host pages (source pitch: a token's rows of
+        every layer; width: one row) into a dense [layer][token][row] device buffer."""
+        if self.dry:
+            def prepare_dry(plan):
+                page_runs(plan.host_cpu, True)
+                return lambda: None
+            return prepare_dry
+        dense, host_tensors = self.load_buffer(tokens), self.host_tensors()
+
+        def prepare(plan):
+            copies = [(dst[layer, s:s + n], src[h:h + n, layer]) for dst, src in zip(dense, host_tensors)
+                      for layer in range(self.geom.layers) for s, h, n in page_runs(plan.host_cpu, True)]
+
+            def run():
+                for dst, src in copies:
+                    copy_rows(dst, src)
+            return run
+        return prepare
+
+    def load_buffer(self, tokens: int) -> list:
+        key = ("load", tokens)
+        if key not in self.stage:
+            self.stage[key] = [torch_empty((self.geom.layers, tokens, *t.shape[2:]), t.dtype)
+                               for t in self.host_tensors()]
+        return self.stage[key]
+
+    def _page_copies(self, spec, tokens):
         """The staged path's copies alone: page p of a device buffer in the staging
         layout ([token][layer][row], contiguous) to host page p of the plan, one
         cudaMemcpyAsync per page and tensor (or per run), all K pages then all V pages."""
@@ -481,6 +575,8 @@ class PoolBench:
         if self.dry:
             return True
         run = prepare(plan)
+        if spec.kind == "copies" and spec.direction == "load":
+            return self._check_layer_copies(run, plan, tokens)
         if spec.kind == "copies":
             return self._check_backup(run, plan, [s[:len(plan.host_cpu)] for s in self.stage[tokens]])
         if spec.direction == "backup":
@@ -496,12 +592,7 @@ class PoolBench:
         return all(same_bytes(t[plan.host_cpu], w) for t, w in zip(self.host_tensors(), want))
 
     def _check_load(self, run, plan) -> bool:
-        # Fresh host bytes: after the timed runs the device rows may already hold what
-        # the host rows do, and a load that does nothing would pass.
-        fresh = [random_bytes((len(plan.host_cpu), *t.shape[1:]), t.dtype, DEVICE).cpu()
-                 for t in self.host_tensors()]
-        for t, rows in zip(self.host_tensors(), fresh):
-            t[plan.host_cpu] = rows
+        fresh = self._fresh_host_rows(plan)
         for layers in self.device_layers():
             for layer in layers:
                 layer[plan.device] = 0
@@ -509,8 +600,28 @@ class PoolBench:
         sync()
         return all(same_bytes(f, d) for f, d in zip(fresh, self.device_rows(plan.device)))
 
+    def _check_layer_copies(self, run, plan, tokens) -> bool:
+        fresh = self._fresh_host_rows(plan)
+        dense = self.load_buffer(tokens)
+        for buffer in dense:
+            buffer.zero_()
+        run()
+        sync()
+        count = len(plan.host_cpu)  # staging tokens follow the plan's order
+        return all(same_bytes(f.transpose(0, 1), d[:, :count]) for f, d in zip(fresh, dense))
+
+    def _fresh_host_rows(self, plan) -> list:
+        # Fresh host bytes: after the timed runs the destination may already hold what
+        # the host rows do, and a load that does nothing would pass.
+        fresh = [random_bytes((len(plan.host_cpu), *t.shape[1:]), t.dtype, DEVICE).cpu()
+                 for t in self.host_tensors()]
+        for t, rows in zip(self.host_tensors(), fresh):
+            t[plan.host_cpu] = rows
+        return fresh
+
     def drop_stage(self, tokens: int):
         self.stage.pop(tokens, None)
+        self.stage.pop(("load", tokens), None)
 
     def close(self):
         if not self.dry:
@@ -819,12 +930,14 @@ def measure_path(bench: PoolBench, spec: Spec, tokens: int, plans, reps: int, ba
 
 
 def measure_footprint(bench: PoolBench, chosen: list, tokens: int, plans, reps: int, backend: Backend,
-                      rec: Recorder, link: dict):
-    """Each chosen (spec, run): the GEMM loop alone and with the transfer beside it."""
+                      rec: Recorder, link: dict, repeats: int = 1):
+    """Each chosen (spec, run): the GEMM loop alone and with the transfer beside it,
+    `repeats` times, the paths taking turns (so that drift between the first and the last
+    minute does not fall on one path)."""
     nbytes = tokens * bench.geom.token_bytes
-    for spec, run in chosen:
+    for repeat, (spec, run) in ((r, c) for r in range(repeats) for c in chosen):
         host_tokens = plans[spec.host_pages][0].host_cpu if plans else None
-        fields = row_fields(bench.geom, spec, tokens, backend.facts, host_tokens)
+        fields = dict(row_fields(bench.geom, spec, tokens, backend.facts, host_tokens), repeat=repeat)
         if rec.expired():
             rec.add(dict(fields, error=NOT_STARTED), "footprint")
             continue
@@ -848,8 +961,9 @@ def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: di
             for spec in path_specs(tokens, args.quotas, unrolls):
                 rec.add(dict(row_fields(geom, spec, tokens, backend.facts), error=NOT_STARTED))
             if tokens == footprint_tokens(args.tokens):
-                for spec in wanted:
-                    rec.add(dict(row_fields(geom, spec, tokens, backend.facts), error=NOT_STARTED), "footprint")
+                for repeat, spec in ((r, s) for r in range(args.footprint_repeats) for s in wanted):
+                    rec.add(dict(row_fields(geom, spec, tokens, backend.facts), repeat=repeat, error=NOT_STARTED),
+                            "footprint")
         return
     bench = backend.pool_bench(geom, max(args.tokens), gen)
     try:
@@ -860,7 +974,7 @@ def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: di
                 runs[spec] = measure_path(bench, spec, tokens, plans, args.reps, backend, rec, link)
             if tokens == footprint_tokens(args.tokens) and wanted:
                 measure_footprint(bench, [(s, runs.get(s)) for s in wanted], tokens, plans, args.reps, backend,
-                                  rec, link)
+                                  rec, link, args.footprint_repeats)
             bench.drop_stage(tokens)
     finally:
         bench.close()
@@ -916,6 +1030,23 @@ def cell(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def footprint_spread(measured: list) -> list[dict]:
+    """The footprint rows of each (pool, direction, path) gathered over the repeats."""
+    grouped: dict = {}
+    for r in measured:
+        key = (r["pool"], r["direction"], r["path"])
+        entry = grouped.setdefault(key, dict(pool=r["pool"], direction=r["direction"], path=r["path"],
+                                             grid=r["grid"], slowdowns=[], beside_GBps=[], inside=[]))
+        entry["slowdowns"].append(r["gemm_slowdown"])
+        entry["beside_GBps"].append(r["xfer_beside_GBps"])
+        entry["inside"].append(r["inside_share"])
+    return list(grouped.values())
+
+
+def spread_cell(values, digits) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
 def tables(data: dict) -> str:
     rows, meta = data["rows"], data["meta"]
     link = {r["direction"]: r["GBps"] for r in rows if r.get("pool") == "link" and "GBps" in r}
@@ -936,14 +1067,25 @@ def tables(data: dict) -> str:
     measured = [r for r in data["footprint"] if "error" not in r]
     if measured:
         lines += ["", "Footprint: a bf16 GEMM loop alone and with one transfer on another stream",
-                  "| pool | dir | path | tokens | grid | GEMMs | GEMM ms alone | beside | slowdown "
+                  "| pool | dir | path | tokens | repeat | grid | GEMMs | GEMM ms alone | beside | slowdown "
                   "| GEMM lost / transfer s | transfer GB/s alone | beside | /link | inside |",
-                  "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in measured:
-        lines.append(f"| {r['pool']} | {r['direction']} | {r['path']} | {r['tokens']} | {r['grid']} | {r['n_gemm']} "
+        lines.append(f"| {r['pool']} | {r['direction']} | {r['path']} | {r['tokens']} | {r.get('repeat', 0)} "
+                     f"| {r['grid']} | {r['n_gemm']} "
                      f"| {r['gemm_alone_ms']:.2f} | {r['gemm_beside_ms']:.2f} | {r['gemm_slowdown']:.3f} "
                      f"| {r['gemm_lost_share']:.3f} | {r['xfer_alone_GBps']:.2f} | {r['xfer_beside_GBps']:.2f} "
                      f"| {cell(r.get('xfer_beside_of_link'), 3)} | {r['inside_share']:.2f} |")
+    spread = footprint_spread(measured)
+    if any(len(s["slowdowns"]) > 1 for s in spread):
+        lines += ["", "Footprint over the repeats: GEMM slowdown and the transfer's GB/s beside the GEMM, "
+                  "median [min, max]",
+                  "| pool | dir | path | grid | repeats | GEMM slowdown | transfer beside GB/s | inside |",
+                  "|---|---|---|---|---:|---:|---:|---:|"]
+        for s in spread:
+            lines.append(f"| {s['pool']} | {s['direction']} | {s['path']} | {s['grid']} | {len(s['slowdowns'])} "
+                         f"| {spread_cell(s['slowdowns'], 3)} | {spread_cell(s['beside_GBps'], 1)} "
+                         f"| {spread_cell(s['inside'], 2)} |")
     errors = [f"not measured: {row_label(r)}: {r['error']}" for r in rows + data["footprint"] if "error" in r]
     jit_errors = [f"JIT build failed: {name}: {e}" for name, e in meta.get("jit", {}).get("errors", {}).items()]
     return "\n".join(lines + ([""] if errors or jit_errors else []) + errors + jit_errors)
@@ -972,6 +1114,8 @@ def parse_args(argv=None):
     ap.add_argument("--quotas", type=int_list, default=list(QUOTAS),
                     help="block quotas of the direct kernels (each is a JIT module per unroll and row size)")
     ap.add_argument("--skip-footprint", action="store_true", help="no GEMM-beside-transfer measurement")
+    ap.add_argument("--footprint-repeats", type=int, default=3,
+                    help="times each footprint row is measured, the paths taking turns (default 3)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "link-paths.json"))
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no row starts (the rest are listed as not started); "
@@ -993,6 +1137,8 @@ def parse_args(argv=None):
         ap.error("--quotas: block quotas must be positive")
     if args.reps < 1:
         ap.error("--reps: at least 1")
+    if args.footprint_repeats < 1:
+        ap.error("--footprint-repeats: at least 1")
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):
         ap.error(f"--out: no directory {directory}")

@@ -111,3 +111,33 @@ def test_forced_unroll_reaches_the_kernel_launch(launches):
     one_layer()
     assert unrolls[:3] == [1, 2, 4]
     assert unrolls[3] == hicache._default_unroll(1152)  # the tree's own choice back
+
+
+@pytest.mark.parametrize("part", ["mha", "mla"])
+def test_link_paths_checks_the_bytes_of_every_path_and_catch_a_wrong_copy(part, kernel_emulation, monkeypatch):
+    # link_paths' pools and paths on CPU over the emulated kernels: every path it times
+    # must pass its byte check, and a strided load copy that drops a row must fail it.
+    from dataclasses import replace
+
+    monkeypatch.setattr(link_paths, "DEVICE", "cpu")
+    tokens, Spec = 256, link_paths.Spec
+    bench = link_paths.PoolBench(replace(link_paths.GEOMETRIES[part], layers=3), tokens,
+                                 torch.Generator().manual_seed(0))
+    try:
+        plans = bench.plans(tokens)
+        layer_copies = Spec("load", "copies", "consecutive", coalesce=True)
+        specs = link_paths.path_specs(tokens, [2], [2]) + [
+            layer_copies, Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True)]
+        assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
+                                                         for k in ("staged", "direct", "copies", "sglang")} - {
+            ("backup", "sglang"), ("load", "staged")}
+        for spec in specs:
+            prepare = bench.operation(spec, tokens)
+            for plan in plans[spec.host_pages]:
+                prepare(plan)()
+            assert bench.check(spec, prepare, plans[spec.host_pages][0], tokens), spec.name
+
+        monkeypatch.setattr(link_paths, "copy_rows", lambda dst, src: dst[:-1].copy_(src[:-1]))
+        assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)
+    finally:
+        bench.close()

@@ -48,3 +48,28 @@ def record(**row):
 def trips():
     return TRIPS
 
+
+
+@pytest.fixture
+def release_kvcached():
+    """After the test: stop its kvcached pools and release kvcached's device mappings.
+
+    kvcached 0.1.6 gives every pool virtual ranges as large as the GPU's memory (all its
+    layers and K/V buffers together), maps its zero page over all of them
+    (integration/sglang/interfaces.py: alloc_kv_cache; csrc/ftensor.cpp: init_with_zero_)
+    and keeps a pool's tensors until shutdown_kvcached, whether the pool is still used or
+    not. In one process of the per-layer layout the eighth such pool failed to map
+    ("physical page access setup failed in CUDA: out of memory"). The next pool
+    initialises kvcached again (its elastic pools call init_kvcached when it is not).
+    """
+    yield
+    import gc
+
+    import kvcached.integration.sglang.interfaces as kvi
+    from kvcached.pool_registry import get_registered_kv_cache_pools
+
+    gc.collect()
+    torch.cuda.synchronize()
+    for manager, _ in get_registered_kv_cache_pools(integration="sglang"):
+        assert manager.shutdown(), "a kvcached pool did not stop"
+    assert kvi.shutdown_kvcached(), "kvcached did not shut down"

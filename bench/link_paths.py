@@ -348,11 +348,10 @@ def cudart():
     streams as torch's)."""
     import torch
     major = torch.version.cuda.split(".")[0]
-    for name in (f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
+    try:
+        return ctypes.CDLL(f"libcudart.so.{major}")
+    except OSError:
+        pass
     for folder in sys.path:  # pip's CUDA wheels: nvidia/cu<major>/lib or nvidia/cuda_runtime/lib
         for sub in (f"nvidia/cu{major}/lib", "nvidia/cuda_runtime/lib"):
             path = os.path.join(folder, sub, f"libcudart.so.{major}")
@@ -837,7 +836,8 @@ def describe(exc: BaseException) -> str:
 
 def row_label(row: dict) -> str:
     parts = [str(row[k]) for k in ("pool", "direction", "path") if row.get(k) is not None]
-    return " ".join(parts) + (f" @ {row['tokens']} tokens" if row.get("tokens") else "")
+    return (" ".join(parts) + (f" @ {row['tokens']} tokens" if row.get("tokens") else "")
+            + (f", repeat {row['repeat']}" if "repeat" in row else ""))
 
 
 def progress_line(row: dict, elapsed: float) -> str:

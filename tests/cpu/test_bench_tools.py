@@ -75,7 +75,13 @@ def test_link_paths_dry_run_has_a_row_for_every_path(tmp_path, capsys):
     paths = {(r["direction"], r["path"]) for r in data["rows"] if r.get("pool") == "MHA"}
     assert {d for d, _ in paths} == {"backup", "load"} and len(paths) >= 9
     assert data["footprint"] and all(r["gemm_slowdown"] > 0 for r in data["footprint"])
-    assert data["meta"]["dry_run"] is True and "| MHA | backup |" in capsys.readouterr().out
+    # each footprint path measured --footprint-repeats times (default 3), taking turns
+    wanted = link_paths.footprint_specs(2, [2, 4])
+    assert [(r["path"], r["repeat"]) for r in data["footprint"]] == [
+        (spec.name, repeat) for repeat in range(3) for spec in wanted]
+    printed = capsys.readouterr().out
+    assert data["meta"]["dry_run"] is True and "| MHA | backup |" in printed
+    assert "Footprint over the repeats" in printed and "| 3 | 1.033 [1.033, 1.033] |" in printed
 
 
 @pytest.fixture
@@ -114,7 +120,7 @@ def test_forced_unroll_reaches_the_kernel_launch(launches):
 
 
 @pytest.mark.parametrize("part", ["mha", "mla"])
-def test_link_paths_checks_the_bytes_of_every_path_and_catch_a_wrong_copy(part, kernel_emulation, monkeypatch):
+def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part, kernel_emulation, monkeypatch):
     # link_paths' pools and paths on CPU over the emulated kernels: every path it times
     # must pass its byte check, and a strided load copy that drops a row must fail it.
     from dataclasses import replace
@@ -127,10 +133,16 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catch_a_wrong_copy(part, 
         plans = bench.plans(tokens)
         layer_copies = Spec("load", "copies", "consecutive", coalesce=True)
         specs = link_paths.path_specs(tokens, [2], [2]) + [
-            layer_copies, Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True)]
+            layer_copies, Spec("load", "copies", "random", coalesce=True),  # a copy per run of random pages
+            Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True)]
         assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
                                                          for k in ("staged", "direct", "copies", "sglang")} - {
             ("backup", "sglang"), ("load", "staged")}
+        geom, host = bench.geom, plans["random"][0].host_cpu
+        runs = len(link_paths.page_runs(host, True))
+        assert 1 < runs and link_paths.launch_shape(Spec("load", "copies", "random", coalesce=True), geom, tokens,
+                                                    link_paths.DRY_FACTS, host)["copies"] == (
+            geom.tensors * geom.layers * runs)
         for spec in specs:
             prepare = bench.operation(spec, tokens)
             for plan in plans[spec.host_pages]:
@@ -139,5 +151,24 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catch_a_wrong_copy(part, 
 
         monkeypatch.setattr(link_paths, "copy_rows", lambda dst, src: dst[:-1].copy_(src[:-1]))
         assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)
+        copies = iter(range(geom.tensors * geom.layers))  # one run: a copy per tensor and layer, the last one's last
+
+        def all_but_the_last_layer(dst, src):
+            if next(copies) < geom.tensors * geom.layers - 1:
+                dst.copy_(src)
+        monkeypatch.setattr(link_paths, "copy_rows", all_but_the_last_layer)
+        assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)
     finally:
         bench.close()
+
+
+def test_link_paths_footprint_spread_gathers_each_path_over_its_repeats():
+    def row(path, repeat, slowdown):
+        return dict(pool="MHA", direction="backup", path=path, grid="2x1024", repeat=repeat, gemm_slowdown=slowdown,
+                    xfer_beside_GBps=40.0 + repeat, inside_share=1.0)
+
+    rows = [row("a", 0, 1.10), row("b", 0, 1.0), row("a", 1, 1.30), row("b", 1, 1.0), row("a", 2, 1.20)]
+    spread = link_paths.footprint_spread(rows)
+    assert [(s["path"], s["slowdowns"], s["beside_GBps"]) for s in spread] == [
+        ("a", [1.10, 1.30, 1.20], [40.0, 41.0, 42.0]), ("b", [1.0, 1.0], [40.0, 41.0])]
+    assert link_paths.spread_cell(spread[0]["slowdowns"], 3) == "1.200 [1.100, 1.300]"

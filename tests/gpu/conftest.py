@@ -49,10 +49,9 @@ def trips():
     return TRIPS
 
 
-
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def release_kvcached():
-    """After the test: stop its kvcached pools and release kvcached's device mappings.
+    """After each test: stop its kvcached pools and release kvcached's device mappings.
 
     kvcached 0.1.6 gives every pool virtual ranges as large as the GPU's memory (all its
     layers and K/V buffers together), maps its zero page over all of them
@@ -61,6 +60,8 @@ def release_kvcached():
     not. In one process of the per-layer layout the eighth such pool failed to map
     ("physical page access setup failed in CUDA: out of memory"). The next pool
     initialises kvcached again (its elastic pools call init_kvcached when it is not).
+    A pool whose manager does not stop keeps kvcached up (its threads may still map
+    pages): the teardown fails, naming it.
     """
     yield
     import gc
@@ -70,6 +71,7 @@ def release_kvcached():
 
     gc.collect()
     torch.cuda.synchronize()
-    for manager, _ in get_registered_kv_cache_pools(integration="sglang"):
-        assert manager.shutdown(), "a kvcached pool did not stop"
+    managers = [manager for manager, _ in get_registered_kv_cache_pools(integration="sglang")]
+    running = [manager for manager in managers if not manager.shutdown()]
+    assert not running, f"kvcached pools did not stop: {running}; kvcached left up"
     assert kvi.shutdown_kvcached(), "kvcached did not shut down"

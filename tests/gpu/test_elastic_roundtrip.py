@@ -21,10 +21,6 @@ from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QW
 from tests.support.roundtrip import RoundTrip, fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
 
-# Each KV test leaves no kvcached pool behind for the next (conftest.py: release_kvcached).
-own_kvcached = pytest.mark.usefixtures("release_kvcached")
-
-
 def backup_indices(host, rows):
     """Host indices where the cache controller keeps them for a backup."""
     return rows if host.can_use_write_back_jit else rows.cuda()
@@ -60,13 +56,11 @@ def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout, used=48, 
            seconds=round(time.time() - start, 1))
 
 
-@own_kvcached
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mha_qwen25_7b(layout, trips):
     run_kv_roundtrip("MHA Qwen2.5-7B", mha_pool(QWEN25_7B), MHATokenToKVPoolHost, mha_families, trips, layout)
 
 
-@own_kvcached
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mla_deepseek_v2_lite(layout, trips):
     run_kv_roundtrip("MLA DeepSeek-V2-Lite", mla_pool_of_its_own(DEEPSEEK_V2_LITE), MLATokenToKVPoolHost,
@@ -80,14 +74,12 @@ def test_mla_deepseek_v2_lite(layout, trips):
 RUN_PAGES = 100
 
 
-@own_kvcached
 def test_mha_page_first_backups_of_host_page_runs(trips):
     run_kv_roundtrip("MHA Qwen2.5-7B, host page runs", mha_pool(QWEN25_7B, pages=4 * RUN_PAGES),
                      MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first",
                      used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
 
 
-@own_kvcached
 def test_mha_page_first_backups_of_host_page_runs_across_host_registrations(monkeypatch):
     # SGLang pins a host pool in pieces of SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB (1 GiB at
     # least, cut at page boundaries), and one copy must not span two: here about 2.9 GB of
@@ -136,7 +128,6 @@ def test_mha_page_first_backups_of_host_page_runs_across_host_registrations(monk
                      max_pages=RUN_PAGES, host_runs=True)
 
 
-@own_kvcached
 def test_mha_page_first_backups_of_small_host_page_runs(trips):
     # One layer: 64 KiB pages, under the staged write-back's 128 KiB batch threshold, so
     # its copies go one cudaMemcpyAsync each (the batched path serves larger pages).
@@ -145,7 +136,6 @@ def test_mha_page_first_backups_of_small_host_page_runs(trips):
                      max_pages=RUN_PAGES, host_runs=True)
 
 
-@own_kvcached
 def test_mla_page_first_backups_of_host_page_runs(trips):
     pool = mla_pool_of_its_own(DEEPSEEK_V2_LITE, pages=4 * RUN_PAGES)
     run_kv_roundtrip("MLA DeepSeek-V2-Lite, host page runs", pool, MLATokenToKVPoolHost, mla_families,

@@ -7,6 +7,7 @@
 #              tests/gpu/run_tier.sh)
 #   bench      bench/transfer_bench.py, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
 #   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
+#   link-paths bench/link_paths.py on the patched tree ($LINK_ARGS, e.g. --parts mha --skip-footprint)
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case 'mha*')
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
@@ -50,6 +51,10 @@ if has profile; then
     > "$out/profile.log" 2>&1
   echo "profile exit: $?" >> "$out/profile.log"
 fi
-for f in unpatched patched differential bench profile; do
+if has link-paths; then
+  python3 bench/link_paths.py --out "$out/link-paths.json" ${LINK_ARGS:-} > "$out/link-paths.log" 2>&1
+  echo "link-paths exit: $?" >> "$out/link-paths.log"
+fi
+for f in unpatched patched differential bench profile link-paths; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }
 done

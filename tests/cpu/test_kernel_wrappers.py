@@ -249,3 +249,80 @@ def test_staged_write_back_launches_stop_at_the_staging_size_and_at_host_registr
     assert plan(scattered, [buffer[0]], pieces, 3, 4, 64) == [(0, 3)]
     with pytest.raises(ValueError, match="less than one page of 4 tokens"):
         plan(host_rows, [buffer[0]], pieces, 5, 4, 0)
+
+
+def test_staged_write_back_alternates_staging_halves_only_when_it_needs_more_than_one_launch(hicache):
+    def plan(pages):
+        return lambda capacity: [(b, min(capacity, pages - b)) for b in range(0, pages, capacity)]
+
+    launches = hicache._staged_write_back_launches
+    # 10 pages through a buffer of 4: halves of 2 pages, taking turns
+    assert launches(plan(10), 4, True) == [(0, 2, 0), (2, 2, 1), (4, 2, 0), (6, 2, 1), (8, 2, 0)]
+    # one launch, no overlap possible (a CPU staging buffer), or a buffer of one page: the whole buffer in turn
+    assert launches(plan(10), 16, True) == [(0, 10, None)]
+    assert launches(plan(10), 4, False) == [(0, 4, None), (4, 4, None), (8, 2, None)]
+    assert launches(plan(3), 1, True) == [(0, 1, None), (1, 1, None), (2, 1, None)]
+    assert launches(plan(0), 4, True) == []
+
+
+class RecordedStream:
+    """A CUDA stream's waits, recorded: the ordering the staged write-back asks for."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+@pytest.fixture
+def recorded_streams(hicache, monkeypatch):
+    """The write-back's streams as records, and its overlap taken on CPU tensors: the
+    runner then issues each launch inside `torch.cuda.stream(...)` of a recorded
+    stream; returns the log and the stack of streams launches are issued on."""
+    from contextlib import contextmanager
+
+    log, active = [], ["current"]
+    current = RecordedStream("current", log)
+    sides = (RecordedStream("side0", log), RecordedStream("side1", log))
+
+    @contextmanager
+    def on(stream):
+        active.append(stream.name)
+        yield
+        active.pop()
+
+    plan_launches = hicache._staged_write_back_launches
+    monkeypatch.setattr(hicache, "_staged_write_back_launches",
+                        lambda plan_calls, capacity, overlap: plan_launches(plan_calls, capacity, True))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(hicache, "_write_back_streams", lambda device: sides)
+    return log, active
+
+
+def test_staged_write_back_runs_each_half_on_its_own_stream_between_waits_on_the_current_one(
+        hicache, recorded_streams):
+    log, active = recorded_streams
+    staging = torch.arange(4 * PAGE)  # 4 pages: halves of 2 pages, at tokens 0 and 2 * PAGE
+
+    def launch(first, pages, views):
+        (view,) = views
+        log.append(("launch", active[-1], first, pages, view[0].item(), len(view)))
+
+    plan = lambda capacity: [(b, min(capacity, 5 - b)) for b in range(0, 5, capacity)]
+    hicache._run_staged_write_back(plan, [staging], PAGE, launch)
+    assert log == [("wait", "side0", "current"), ("wait", "side1", "current"),
+                   ("launch", "side0", 0, 2, 0, 2 * PAGE), ("launch", "side1", 2, 2, 2 * PAGE, 2 * PAGE),
+                   ("launch", "side0", 4, 1, 0, PAGE),
+                   ("wait", "current", "side0"), ("wait", "current", "side1")]
+
+
+@pytest.mark.parametrize("kinds", [2, 1], ids=["MHA", "MLA"])
+def test_staged_write_back_in_staging_halves_copies_every_page(hicache, recorded_streams, kinds):
+    """Three pages through two staging pages: in halves, three launches of one page,
+    each slicing its own device and host pages; the bytes are checked as above."""
+    log, _ = recorded_streams
+    staged_backup(hicache, kinds, strided=True)
+    assert [entry[:2] for entry in log] == [("wait", "side0"), ("wait", "side1"),
+                                            ("wait", "current"), ("wait", "current")]

@@ -70,14 +70,35 @@ def test_mla_deepseek_v2_lite(layout, trips):
 # SGLang's host allocator hands out free pages in order, so on a fresh host pool a
 # page_first backup's host pages run consecutively, as they do in the staged write-back's
 # staging buffer. Up to 100 pages per backup: runs longer than its 64-page staging chunk,
-# one or two per backup.
+# one or two per backup; a backup of more than 64 pages runs in the buffer's two halves,
+# on two streams at once.
 RUN_PAGES = 100
 
 
-def test_mha_page_first_backups_of_host_page_runs(trips):
+@pytest.fixture
+def backups_in_staging_halves(monkeypatch):
+    """Records which staging half each write-back launch used; returns a check that
+    some backups alternated both halves (so their gathers and copies overlapped)."""
+    from sglang.kernels.ops.kvcache import hicache
+
+    halves, plan_launches = [], hicache._staged_write_back_launches
+
+    def recorded(*args):
+        launches = plan_launches(*args)
+        halves.extend(half for _, _, half in launches)
+        return launches
+
+    monkeypatch.setattr(hicache, "_staged_write_back_launches", recorded)
+
+    def check():
+        assert {0, 1} <= set(halves), f"no backup ran in staging halves: {sorted(set(halves), key=str)}"
+    return check
+
+
+def test_mha_page_first_backups_of_host_page_runs(trips, backups_in_staging_halves):
     run_kv_roundtrip("MHA Qwen2.5-7B, host page runs", mha_pool(QWEN25_7B, pages=4 * RUN_PAGES),
                      MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first",
-                     used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
+                     used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True, check_after=backups_in_staging_halves)
 
 
 def test_mha_page_first_backups_of_host_page_runs_across_host_registrations(monkeypatch):
@@ -136,10 +157,11 @@ def test_mha_page_first_backups_of_small_host_page_runs(trips):
                      max_pages=RUN_PAGES, host_runs=True)
 
 
-def test_mla_page_first_backups_of_host_page_runs(trips):
+def test_mla_page_first_backups_of_host_page_runs(trips, backups_in_staging_halves):
     pool = mla_pool_of_its_own(DEEPSEEK_V2_LITE, pages=4 * RUN_PAGES)
     run_kv_roundtrip("MLA DeepSeek-V2-Lite, host page runs", pool, MLATokenToKVPoolHost, mla_families,
-                     min(trips, 40), "page_first", used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True)
+                     min(trips, 40), "page_first", used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True,
+                     check_after=backups_in_staging_halves)
 
 
 @pytest.mark.parametrize("model", [QWEN35_4B, QWEN3_NEXT_80B], ids=lambda m: m.name)

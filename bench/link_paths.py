@@ -21,7 +21,8 @@ backup, device -> pinned host:
                              one copy per host page and K/V, or per run of consecutive host
                              pages where the tree merges them (the series' patch 0009), in
                              one cudaMemcpyBatchAsync per chunk where the driver has it;
-                             random or consecutive host pages
+                             past 64 pages, with patch 0010, 32 at a time in the buffer's
+                             two halves on two streams; random or consecutive host pages
   direct all-layer kernel    transfer_hicache_all_layer[_mla]: the GPU writes the pinned
                              pages itself through the host pool's per-layer page_first
                              tables; block quota 2 (SGLang's), 4, 8
@@ -134,6 +135,7 @@ class KernelFacts:
     batch_unroll: Callable[[int, int, int], int]  # (element size, tokens, quota) -> a load's unroll
     pool_unrolls: Callable[[int], list]  # element size -> unrolls a host pool builds at start-up
     staged_merges_runs: bool  # the staged write-back copies runs of consecutive host pages at once
+    staged_overlaps: bool  # past one chunk, it alternates staging halves on two streams (patch 0010)
 
 
 def sglang_kernel_facts() -> KernelFacts:
@@ -148,6 +150,7 @@ def sglang_kernel_facts() -> KernelFacts:
         batch_unroll=getattr(hc, "_unroll_for_batch", lambda size, tokens, quota: hc._default_unroll(size)),
         pool_unrolls=getattr(hc, "_batch_unrolls", lambda size: [hc._default_unroll(size)]),
         staged_merges_runs=staged_merges_runs(),
+        staged_overlaps=hasattr(hc, "_staged_write_back_launches"),
     )
 
 
@@ -163,7 +166,7 @@ def staged_merges_runs() -> bool:
 # --dry-run: the values SGLang's hicache.py and pool_host/base.py set for these shapes.
 DRY_FACTS = KernelFacts(threads=1024, staging_pages=64, default_quota=2, default_unroll=lambda size: 2,
                         batch_unroll=lambda size, tokens, quota: 2, pool_unrolls=lambda size: [2],
-                        staged_merges_runs=True)
+                        staged_merges_runs=True, staged_overlaps=True)
 
 
 def load_unrolls(facts: KernelFacts, element_size: int) -> list[int]:
@@ -184,11 +187,13 @@ class Spec:
     quota: int | None = None
     unroll: int | None = None
     coalesce: bool = False  # copies: one copy per run of consecutive host pages
+    one_stream: bool = False  # staged: every launch on one stream, as before patch 0010
 
     @property
     def name(self) -> str:
         if self.kind == "staged":
-            return f"sglang staged write-back, {self.host_pages} host pages"
+            return f"sglang staged write-back, {self.host_pages} host pages" + (
+                ", one stream" if self.one_stream else "")
         if self.kind == "sglang":
             return "sglang load_to_device_per_layer"
         if self.kind == "copies" and self.direction == "load":
@@ -200,9 +205,14 @@ class Spec:
         return f"direct {span} kernel bq={self.quota} u={self.unroll}"
 
 
-def path_specs(tokens: int, quotas, unrolls) -> list[Spec]:
+def path_specs(tokens: int, quotas, unrolls, staged_overlaps: bool = False) -> list[Spec]:
+    """Every path timed at `tokens`; where the tree's staged write-back overlaps
+    (patch 0010), it is timed on one stream as well."""
     default = unrolls[0]
     specs = [Spec("backup", "staged", "random"), Spec("backup", "staged", "consecutive")]
+    if staged_overlaps:
+        specs += [Spec("backup", "staged", "random", one_stream=True),
+                  Spec("backup", "staged", "consecutive", one_stream=True)]
     specs += [Spec("backup", "direct", quota=q, unroll=default) for q in quotas]
     if tokens in COPY_TOKENS:
         specs += [Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive"),
@@ -214,13 +224,15 @@ def path_specs(tokens: int, quotas, unrolls) -> list[Spec]:
     return specs
 
 
-def footprint_specs(default_unroll: int, quotas) -> list[Spec]:
+def footprint_specs(default_unroll: int, quotas, staged_overlaps: bool = False) -> list[Spec]:
     wanted = [Spec("backup", "staged", "random"),
-              Spec("backup", "staged", "consecutive"),
-              Spec("backup", "direct", quota=2, unroll=default_unroll),
-              Spec("backup", "direct", quota=4, unroll=default_unroll),
-              Spec("load", "sglang"),
-              Spec("load", "direct", quota=4, unroll=default_unroll)]
+              Spec("backup", "staged", "consecutive")]
+    if staged_overlaps:
+        wanted.append(Spec("backup", "staged", "consecutive", one_stream=True))
+    wanted += [Spec("backup", "direct", quota=2, unroll=default_unroll),
+               Spec("backup", "direct", quota=4, unroll=default_unroll),
+               Spec("load", "sglang"),
+               Spec("load", "direct", quota=4, unroll=default_unroll)]
     return [s for s in wanted if s.quota is None or s.quota in quotas]
 
 
@@ -238,11 +250,11 @@ def launch_shape(spec: Spec, geom: Geometry, tokens: int, facts: KernelFacts, ho
     chunk, a 16-byte vector per thread (relayout.cuh)."""
     pages = tokens // PAGE
     if spec.kind == "staged":
-        chunk = min(pages, facts.staging_pages)
-        vecs = chunk * PAGE * geom.layers * (geom.element_size // 16)
+        launch_pages = staged_launch_pages(facts, pages, overlap=not spec.one_stream)
+        vecs = min(pages, launch_pages) * PAGE * geom.layers * (geom.element_size // 16)
         return dict(grid=f"{-(-vecs // RELAYOUT_THREADS)}x{RELAYOUT_THREADS}",
-                    kernels=-(-pages // facts.staging_pages), copies=geom.tensors * staged_copies(
-                        host_tokens, pages, facts.staging_pages if facts.staged_merges_runs else None))
+                    kernels=-(-pages // launch_pages), copies=geom.tensors * staged_copies(
+                        host_tokens, pages, launch_pages if facts.staged_merges_runs else None))
     if spec.kind == "copies":
         runs = len(page_runs(host_tokens, True)) if host_tokens is not None and spec.coalesce else (
             1 if spec.coalesce else pages)
@@ -281,6 +293,28 @@ def build_plans(gen, device_pages, host_page_count: int, tokens: int, to_device)
     run = torch.arange(PAGE, PAGE + tokens)
     return {"random": [Plan(to_device(d), h, to_device(h)) for d, h in zip(device, random_host)],
             "consecutive": [Plan(to_device(d), run, to_device(run)) for d in device]}
+
+
+def staged_launch_pages(facts: KernelFacts, pages: int, overlap: bool = True) -> int:
+    """Pages per launch of the staged write-back: a staging buffer's worth, or half of
+    one where it takes more than one buffer and overlaps (patch 0010)."""
+    if overlap and facts.staged_overlaps and pages > facts.staging_pages and facts.staging_pages > 1:
+        return facts.staging_pages // 2
+    return facts.staging_pages
+
+
+def on_one_stream(hc, backup) -> Callable[[], None]:
+    """The staged write-back as before patch 0010: its launch plan is told it cannot
+    overlap, so every launch runs on the current stream through the whole buffer."""
+    plan_launches = hc._staged_write_back_launches
+
+    def run():
+        hc._staged_write_back_launches = lambda calls, capacity, overlap: plan_launches(calls, capacity, False)
+        try:
+            backup()
+        finally:
+            hc._staged_write_back_launches = plan_launches
+    return run
 
 
 def staged_copies(host_tokens, pages: int, chunk_pages: int | None) -> int:
@@ -450,7 +484,8 @@ class PoolBench:
             # SGLang's staged write-back takes host indices on the CPU; its fallback
             # (no write-back JIT) takes them on the device.
             host_tokens = plan.host_cpu if host.can_use_write_back_jit else plan.host_gpu
-            return lambda: host.backup_from_device_all_layer(pool, host_tokens, plan.device, "kernel")
+            backup = functools.partial(host.backup_from_device_all_layer, pool, host_tokens, plan.device, "kernel")
+            return on_one_stream(self.hc, backup) if spec.one_stream else backup
         return prepare
 
     def _direct_backup(self, spec):
@@ -955,10 +990,11 @@ def measure_footprint(bench: PoolBench, chosen: list, tokens: int, plans, reps: 
 
 def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: dict, gen):
     unrolls = load_unrolls(backend.facts, geom.element_size)
-    wanted = [] if args.skip_footprint else footprint_specs(unrolls[0], args.quotas)
+    overlaps = backend.facts.staged_overlaps
+    wanted = [] if args.skip_footprint else footprint_specs(unrolls[0], args.quotas, overlaps)
     if rec.expired():  # no pools built for nothing; the rows still say what was not started
         for tokens in args.tokens:
-            for spec in path_specs(tokens, args.quotas, unrolls):
+            for spec in path_specs(tokens, args.quotas, unrolls, overlaps):
                 rec.add(dict(row_fields(geom, spec, tokens, backend.facts), error=NOT_STARTED))
             if tokens == footprint_tokens(args.tokens):
                 for repeat, spec in ((r, s) for r in range(args.footprint_repeats) for s in wanted):
@@ -970,7 +1006,7 @@ def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: di
         for tokens in args.tokens:
             plans = None if rec.expired() else bench.plans(tokens)  # past the deadline rows only say so
             runs = {}
-            for spec in path_specs(tokens, args.quotas, unrolls):
+            for spec in path_specs(tokens, args.quotas, unrolls, overlaps):
                 runs[spec] = measure_path(bench, spec, tokens, plans, args.reps, backend, rec, link)
             if tokens == footprint_tokens(args.tokens) and wanted:
                 measure_footprint(bench, [(s, runs.get(s)) for s in wanted], tokens, plans, args.reps, backend,

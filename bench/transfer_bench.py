@@ -26,9 +26,13 @@ MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool 
 one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as
 SGLang serves EAGLE with a NextN draft: a backup copies all target and draft layers in
 one call; a load runs every target layer, then the draft's (is_draft=True). Native is
-SGLang's own packed path over its dense pools. kvcached 0.1.6 builds every MLA pool in
-one group, where a second MLA pool frees the first's memory (tests/gpu/pools.py,
-own_kvcached_group); the MTP rows build each kvcached MLA pool in a group of its own.
+SGLang's own packed path over its dense pools.
+
+kvcached 0.1.6 builds every MLA pool in the group of the process's first MHA pool, where
+a second pool takes over the first's tensors (tests/gpu/pools.py, own_kvcached_group):
+a draft pool frees the target's memory, and in the per-layer layout the MLA part's pool,
+built after the MHA part's, gets the MHA pool's tensors. Every kvcached MLA pool here is
+built in a group of its own.
 """
 from __future__ import annotations
 
@@ -210,8 +214,7 @@ def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
     for part in [p for p in KV_PARTS if p in parts]:
         try:
             rows += kv_part(part, mode, reps, gen, host_pages, host_layouts)
-        except Exception as exc:  # e.g. kvcached 0.1.6's per-layer MLA pool after an MHA pool: both
-            # in kvcached's group 0, the MLA pool gets the MHA pool's tensors (tests/gpu/pools.py)
+        except Exception as exc:  # the pool could not be built: the other parts still run
             rows.append(dict(mode=mode, pool=kv_part_shape(part)[3], error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
     if "mamba" in parts:
@@ -250,7 +253,7 @@ class KVBench:
             self.row_bytes = s.kv_dim * 2
         self.layers = s.layers
         group = contextlib.nullcontext
-        if part == "mla" and drafts and hasattr(mp, "ElasticMLATokenToKVPool"):  # kvcached's: one group per pool
+        if part == "mla" and hasattr(mp, "ElasticMLATokenToKVPool"):  # kvcached's: one group per pool
             from tests.gpu.pools import own_kvcached_group as group
 
         def build(layers):

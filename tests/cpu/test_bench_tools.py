@@ -68,6 +68,20 @@ def test_link_paths_counts_one_copy_per_run_of_consecutive_host_pages():
     assert link_paths.staged_copies(host, 6, chunk_pages=2) == 5 and link_paths.staged_copies(host, 6, None) == 6
 
 
+def test_link_paths_counts_the_staged_launches_of_staging_halves():
+    # 16k tokens of consecutive host pages: 4 buffers of 64 pages, or (patch 0010) 8 halves
+    from dataclasses import replace
+
+    page, facts, geom = link_paths.PAGE, link_paths.DRY_FACTS, link_paths.GEOMETRIES["mha"]
+    staged, host = link_paths.Spec("backup", "staged", "consecutive"), torch.arange(page, page + 16384)
+    halves = link_paths.launch_shape(staged, geom, 16384, facts, host)
+    whole = link_paths.launch_shape(staged, geom, 16384, replace(facts, staged_overlaps=False), host)
+    assert (halves["kernels"], halves["copies"]) == (8, 8 * geom.tensors)
+    assert (whole["kernels"], whole["copies"]) == (4, 4 * geom.tensors)
+    # one buffer's worth or less: one launch of the whole buffer either way
+    assert link_paths.launch_shape(staged, geom, 64 * page, facts, host[:64 * page])["kernels"] == 1
+
+
 def test_link_paths_dry_run_has_a_row_for_every_path(tmp_path, capsys):
     out = tmp_path / "paths.json"
     link_paths.main(["--dry-run", "--tokens", "1024,16384", "--parts", "mha", "--quotas", "2,4", "--out", str(out)])
@@ -76,7 +90,9 @@ def test_link_paths_dry_run_has_a_row_for_every_path(tmp_path, capsys):
     assert {d for d, _ in paths} == {"backup", "load"} and len(paths) >= 9
     assert data["footprint"] and all(r["gemm_slowdown"] > 0 for r in data["footprint"])
     # each footprint path measured --footprint-repeats times (default 3), taking turns
-    wanted = link_paths.footprint_specs(2, [2, 4])
+    wanted = link_paths.footprint_specs(2, [2, 4], staged_overlaps=True)
+    assert ("backup", "sglang staged write-back, consecutive host pages, one stream") in paths
+    assert "sglang staged write-back, consecutive host pages, one stream" in {s.name for s in wanted}
     assert [(r["path"], r["repeat"]) for r in data["footprint"]] == [
         (spec.name, repeat) for repeat in range(3) for spec in wanted]
     printed = capsys.readouterr().out
@@ -132,7 +148,7 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
     try:
         plans = bench.plans(tokens)
         layer_copies = Spec("load", "copies", "consecutive", coalesce=True)
-        specs = link_paths.path_specs(tokens, [2], [2]) + [
+        specs = link_paths.path_specs(tokens, [2], [2], staged_overlaps=True) + [
             layer_copies, Spec("load", "copies", "random", coalesce=True),  # a copy per run of random pages
             Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True)]
         assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
@@ -172,3 +188,13 @@ def test_link_paths_footprint_spread_gathers_each_path_over_its_repeats():
     assert [(s["path"], s["slowdowns"], s["beside_GBps"]) for s in spread] == [
         ("a", [1.10, 1.30, 1.20], [40.0, 41.0, 42.0]), ("b", [1.0, 1.0], [40.0, 41.0])]
     assert link_paths.spread_cell(spread[0]["slowdowns"], 3) == "1.200 [1.100, 1.300]"
+
+
+def test_link_paths_one_stream_row_runs_the_write_back_without_halves():
+    from types import SimpleNamespace
+
+    plan_launches = lambda calls, capacity, overlap: [("halves" if overlap else "whole", capacity)]
+    hc, seen = SimpleNamespace(_staged_write_back_launches=plan_launches), []
+    run = link_paths.on_one_stream(hc, lambda: seen.append(hc._staged_write_back_launches(None, 64, True)))
+    run()
+    assert seen == [[("whole", 64)]] and hc._staged_write_back_launches is plan_launches

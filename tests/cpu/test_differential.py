@@ -89,6 +89,21 @@ def test_every_scenario_crosses_every_layout_and_io_backend(outcomes):
             f"{scenario}: {'builds' if builds else 'never builds'} on SGLang 0.5.20")
 
 
+def test_long_trips_back_up_more_than_one_staging_chunk(outcomes):
+    # the page_first write-back stages 64 pages a launch: these cases take several
+    from sglang.srt.mem_cache.pool_host.base import _WRITE_BACK_STAGING_PAGE_CHUNK
+    from tests.support.differential.scenarios import PAGE
+
+    pristine, _ = outcomes
+    staged = [case for case in pristine["cases"] if "-long-trips/" in case["id"] and
+              case["id"].endswith("/page_first+kernel")]
+    assert len(staged) == 2, [case["id"] for case in staged]
+    for case in staged:
+        writes = [step for step in case["steps"] if step["step"].endswith(".write")]
+        assert writes and all("error" not in step for step in writes), case["id"]
+        assert all(len(step["result"]["host"]) > _WRITE_BACK_STAGING_PAGE_CHUNK * PAGE for step in writes), case["id"]
+
+
 # The comparison itself, on small outcome documents: each kind of difference is found.
 def _document(**case):
     base = {"id": "s/page_first+kernel", "steps": [

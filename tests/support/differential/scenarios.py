@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from tests.support.controller import PageAllocator, SlotAllocator
+from tests.support.differential.steps import TRIP_PAGES, TRIPS
 from tests.support.models import GPT_OSS_20B, QWEN25_7B, QWEN35_4B
 
 PAGE = 16
@@ -49,6 +50,7 @@ class Pools:
     draft_device_pools: tuple = ()
     data: dict = field(default_factory=dict)
     units: dict = field(default_factory=dict)   # rows per allocation unit (page or slot) per pool
+    trip_pages: int = TRIP_PAGES                # KV pages a trip backs up and loads
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,9 @@ def rows(pages, page_size):
     return (base + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
 
 
-def _pages(ctx, kv, page_size, pages=DEVICE_PAGES):
-    allocator = PageAllocator(kv, range(DATA_PAGES + 1, pages + 1), page_size, ctx.device, ctx.rng)
-    return allocator, rows(range(1, DATA_PAGES + 1), page_size).to(ctx.device)
+def _pages(ctx, kv, page_size, pages=DEVICE_PAGES, data_pages=DATA_PAGES):
+    allocator = PageAllocator(kv, range(data_pages + 1, pages + 1), page_size, ctx.device, ctx.rng)
+    return allocator, rows(range(1, data_pages + 1), page_size).to(ctx.device)
 
 
 def _mp():
@@ -95,9 +97,9 @@ def mha(ctx, *, heads, head_dim, layers, dtype=BF16, v_head_dim=None, page_size=
                                   enable_memory_saver=False)
 
 
-def mla(ctx, *, layers, dtype=BF16, page_size=PAGE, cls=None, **kwargs):
+def mla(ctx, *, layers, dtype=BF16, page_size=PAGE, cls=None, pages=DEVICE_PAGES, **kwargs):
     cls = cls or _mp().MLATokenToKVPool
-    return cls(size=DEVICE_PAGES * page_size, page_size=page_size, dtype=dtype, kv_lora_rank=512,
+    return cls(size=pages * page_size, page_size=page_size, dtype=dtype, kv_lora_rank=512,
                qk_rope_head_dim=64, layer_num=layers, device=ctx.device, enable_memory_saver=False, **kwargs)
 
 
@@ -122,6 +124,25 @@ def plain(kv_factory, *, drafts=0, draft_factory=None):
         mtp = tuple(draft_factory(ctx) for _ in range(drafts))
         return Pools(kvcache=kv, components=("FULL",), allocator=allocator, page_size=kv.page_size,
                      mtp_draft_device_pools=mtp, data={"kv": data})
+    return build
+
+
+# The page_first write-back stages at most 64 pages a launch (pool_host/base.py:
+# _WRITE_BACK_STAGING_PAGE_CHUNK); a trip of more takes several launches.
+LONG_TRIP_PAGES = 72
+
+
+def long_trips(kv_factory):
+    """One KV pool whose trips back up LONG_TRIP_PAGES pages at once: data pages to
+    pick them from, and free pages for every trip's load."""
+
+    def build(ctx):
+        data_pages = LONG_TRIP_PAGES + 1
+        pages = data_pages + TRIPS * LONG_TRIP_PAGES
+        kv = kv_factory(ctx, pages)
+        allocator, data = _pages(ctx, kv, kv.page_size, pages=pages, data_pages=data_pages)
+        return Pools(kvcache=kv, components=("FULL",), allocator=allocator, page_size=kv.page_size,
+                     data={"kv": data}, trip_pages=LONG_TRIP_PAGES)
     return build
 
 
@@ -293,8 +314,10 @@ SCENARIOS = [
     Scenario("mha/llama-3-8b/bf16", "unified", plain(_m(**LLAMA3_8B))),
     Scenario("mha/llama-3-8b/fp8", "unified", plain(_m(**LLAMA3_8B, dtype=FP8))),
     Scenario("mha-asymmetric/mimo-v2/bf16", "unified", plain(_m(**MIMO_V2))),
+    Scenario("mha-long-trips/qwen2.5-7b/bf16", "unified", long_trips(lambda ctx, pages: mha(ctx, **QWEN, pages=pages))),
     Scenario("mla/deepseek-v3/bf16", "unified", plain(_l())),
     Scenario("mla/deepseek-v3/fp8", "unified", plain(_l(dtype=FP8))),
+    Scenario("mla-long-trips/deepseek-v3/bf16", "unified", long_trips(lambda ctx, pages: mla(ctx, layers=3, pages=pages))),
     Scenario("mla-ascend-shaped/deepseek-v3/bf16", "unified", plain(_npu_mla)),
     Scenario("mla-dcp2/deepseek-v3/bf16", "unified", plain(_l()), flags=("--dcp-size", "2"),
              parallel={"attn_dcp_rank": 1}),

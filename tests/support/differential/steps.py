@@ -53,7 +53,7 @@ class Trip:
         from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
         page = self.pools.page_size
-        device = self._pick(self.pools.data["kv"], TRIP_PAGES, page)
+        device = self._pick(self.pools.data["kv"], self.pools.trip_pages, page)
         extra = []
         for entry in self.group.entries:
             if entry is self.group.anchor_entry:

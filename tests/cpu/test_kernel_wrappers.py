@@ -256,8 +256,9 @@ def test_staged_write_back_alternates_staging_halves_only_when_it_needs_more_tha
         return lambda capacity: [(b, min(capacity, pages - b)) for b in range(0, pages, capacity)]
 
     launches = hicache._staged_write_back_launches
-    # 10 pages through a buffer of 4: halves of 2 pages, taking turns
+    # 10 pages through a buffer of 4 or 8: halves of 2 or 4 pages, taking turns
     assert launches(plan(10), 4, True) == [(0, 2, 0), (2, 2, 1), (4, 2, 0), (6, 2, 1), (8, 2, 0)]
+    assert launches(plan(10), 8, True) == [(0, 4, 0), (4, 4, 1), (8, 2, 0)]
     # one launch, no overlap possible (a CPU staging buffer), or a buffer of one page: the whole buffer in turn
     assert launches(plan(10), 16, True) == [(0, 10, None)]
     assert launches(plan(10), 4, False) == [(0, 4, None), (4, 4, None), (8, 2, None)]
@@ -265,11 +266,33 @@ def test_staged_write_back_alternates_staging_halves_only_when_it_needs_more_tha
     assert launches(plan(0), 4, True) == []
 
 
+def test_staged_write_back_overlaps_on_cuda_devices_only(hicache, monkeypatch):
+    from types import SimpleNamespace
+
+    assert hicache._can_overlap_write_back(SimpleNamespace(is_cuda=True)) is True
+    assert hicache._can_overlap_write_back(torch.empty(1)) is False
+    monkeypatch.setattr(hicache, "_is_hip", True)  # measured on NVIDIA GPUs only
+    assert hicache._can_overlap_write_back(SimpleNamespace(is_cuda=True)) is False
+
+
+def test_staged_write_back_keeps_two_streams_per_device_and_priority(hicache, monkeypatch):
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: made.append((device, priority)) or len(made))
+    hicache._write_back_streams.cache_clear()
+    try:
+        first = hicache._write_back_streams("cuda:0", 0)
+        assert hicache._write_back_streams("cuda:0", 0) is first and made == [("cuda:0", 0)] * 2
+        assert hicache._write_back_streams("cuda:0", -1) != first and hicache._write_back_streams("cuda:1", 0) != first
+        assert made[2:] == [("cuda:0", -1)] * 2 + [("cuda:1", 0)] * 2
+    finally:
+        hicache._write_back_streams.cache_clear()
+
+
 class RecordedStream:
     """A CUDA stream's waits, recorded: the ordering the staged write-back asks for."""
 
-    def __init__(self, name, log):
-        self.name, self.log = name, log
+    def __init__(self, name, log, priority=0):
+        self.name, self.log, self.priority = name, log, priority
 
     def wait_stream(self, other):
         self.log.append(("wait", self.name, other.name))
@@ -279,11 +302,12 @@ class RecordedStream:
 def recorded_streams(hicache, monkeypatch):
     """The write-back's streams as records, and its overlap taken on CPU tensors: the
     runner then issues each launch inside `torch.cuda.stream(...)` of a recorded
-    stream; returns the log and the stack of streams launches are issued on."""
+    stream. Returns the log, the stack of streams launches are issued on, and the
+    arguments the runner asked for its streams with."""
     from contextlib import contextmanager
 
-    log, active = [], ["current"]
-    current = RecordedStream("current", log)
+    log, active, asked = [], ["current"], []
+    current = RecordedStream("current", log, priority=-1)
     sides = (RecordedStream("side0", log), RecordedStream("side1", log))
 
     @contextmanager
@@ -292,37 +316,68 @@ def recorded_streams(hicache, monkeypatch):
         yield
         active.pop()
 
-    plan_launches = hicache._staged_write_back_launches
-    monkeypatch.setattr(hicache, "_staged_write_back_launches",
-                        lambda plan_calls, capacity, overlap: plan_launches(plan_calls, capacity, True))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    def current_stream(device=None):
+        asked.append(("current", device))
+        return current
+
+    def write_back_streams(device, priority):
+        asked.append(("sides", device, priority))
+        return sides
+
+    monkeypatch.setattr(hicache, "_can_overlap_write_back", lambda staging: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(hicache, "_write_back_streams", lambda device: sides)
-    return log, active
+    monkeypatch.setattr(hicache, "_write_back_streams", write_back_streams)
+    return log, active, asked
+
+
+def five_pages(capacity):
+    return [(b, min(capacity, 5 - b)) for b in range(0, 5, capacity)]
 
 
 def test_staged_write_back_runs_each_half_on_its_own_stream_between_waits_on_the_current_one(
         hicache, recorded_streams):
-    log, active = recorded_streams
+    log, active, asked = recorded_streams
     staging = torch.arange(4 * PAGE)  # 4 pages: halves of 2 pages, at tokens 0 and 2 * PAGE
 
     def launch(first, pages, views):
         (view,) = views
         log.append(("launch", active[-1], first, pages, view[0].item(), len(view)))
 
-    plan = lambda capacity: [(b, min(capacity, 5 - b)) for b in range(0, 5, capacity)]
-    hicache._run_staged_write_back(plan, [staging], PAGE, launch)
+    hicache._run_staged_write_back(five_pages, [staging], PAGE, launch)
     assert log == [("wait", "side0", "current"), ("wait", "side1", "current"),
                    ("launch", "side0", 0, 2, 0, 2 * PAGE), ("launch", "side1", 2, 2, 2 * PAGE, 2 * PAGE),
                    ("launch", "side0", 4, 1, 0, PAGE),
                    ("wait", "current", "side0"), ("wait", "current", "side1")]
+    # the staging buffer's device, and side streams at the current stream's priority
+    assert asked == [("current", staging.device), ("sides", staging.device, -1)]
+
+
+def test_staged_write_back_joins_its_streams_when_a_launch_raises(hicache, recorded_streams):
+    log, active, _ = recorded_streams
+
+    def launch(first, pages, views):
+        if first:
+            raise RuntimeError("copy failed")
+        log.append(("launch", active[-1], first))
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        hicache._run_staged_write_back(five_pages, [torch.arange(4 * PAGE)], PAGE, launch)
+    assert log[-3:] == [("launch", "side0", 0), ("wait", "current", "side0"), ("wait", "current", "side1")]
+
+
+def test_staged_write_back_of_no_pages_launches_nothing(hicache, recorded_streams):
+    log, _, asked = recorded_streams
+    hicache._run_staged_write_back(lambda capacity: [], [torch.arange(4 * PAGE)], PAGE,
+                                   lambda *args: log.append("launch"))
+    assert log == [] and asked == []
 
 
 @pytest.mark.parametrize("kinds", [2, 1], ids=["MHA", "MLA"])
 def test_staged_write_back_in_staging_halves_copies_every_page(hicache, recorded_streams, kinds):
     """Three pages through two staging pages: in halves, three launches of one page,
     each slicing its own device and host pages; the bytes are checked as above."""
-    log, _ = recorded_streams
+    log, _, _ = recorded_streams
     staged_backup(hicache, kinds, strided=True)
     assert [entry[:2] for entry in log] == [("wait", "side0"), ("wait", "side1"),
                                             ("wait", "current"), ("wait", "current")]

@@ -54,6 +54,12 @@ def outcomes():
     return documents["pristine"], documents["patched"]
 
 
+def test_the_pair_compares_a_pristine_tree_with_a_patched_one(outcomes):
+    pristine, patched = outcomes
+    assert pristine["series"].endswith(": series pristine"), pristine["series"]
+    assert patched["series"].endswith(": series applied"), patched["series"]
+
+
 def test_every_case_is_identical_on_both_trees(outcomes):
     pristine, patched = outcomes
     assert pristine["choices"] == patched["choices"], "the trees' parsers accept different layouts or io backends"

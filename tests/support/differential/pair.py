@@ -7,8 +7,10 @@ DIR is a folder holding the `sglang/` package (an upstream checkout's python/, o
 installed site folder). Each tree's runner gets PYTHONPATH=DIR:<this repo>:$PYTHONPATH,
 so DIR's sglang shadows any other, and a JIT kernel cache of its own (the trees' kernel
 sources differ; one cache each also keeps two builds of one kernel from racing).
-Writes OUTDIR/pristine.json, patched.json and the runners' logs; prints the comparison;
-exits 1 when a case differs. The CPU tier's test_differential.py calls run_pair.
+Writes OUTDIR/pristine.json, patched.json and the runners' logs; each document also
+says what the tree holds of the series (`series`: scripts/status's first line, read
+before the runners start). Prints the comparison; exits 1 when a case differs. The CPU
+tier's test_differential.py calls run_pair.
 """
 from __future__ import annotations
 
@@ -24,9 +26,17 @@ from tests.support.differential import compare
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def series_state(tree: Path) -> str:
+    """scripts/status's first line for the tree ("SGLang 0.5.20 at ...: series applied")."""
+    status = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), str(tree)],
+                            capture_output=True, text=True)
+    return (status.stdout.splitlines() or [status.stderr.strip()])[0]
+
+
 def run_pair(trees: dict[str, Path], out: Path, runner_args: list[str] = ()) -> dict[str, dict]:
     """Run the runner once per tree, at the same time; return their outcome documents."""
     out.mkdir(parents=True, exist_ok=True)
+    series = {name: series_state(tree) for name, tree in trees.items()}
     jit_cache = os.environ.get("SGLANG_JIT_CACHE_DIR", str(out / "jit-cache"))
     procs = {}
     for name, tree in trees.items():
@@ -45,7 +55,8 @@ def run_pair(trees: dict[str, Path], out: Path, runner_args: list[str] = ()) -> 
         log.close()
         if proc.returncode != 0:
             raise RuntimeError(f"the runner failed on {trees[name]}:\n{(out / f'{name}.log').read_text()[-4000:]}")
-        documents[name] = json.loads((out / f"{name}.json").read_text())
+        documents[name] = dict(json.loads((out / f"{name}.json").read_text()), series=series[name])
+        (out / f"{name}.json").write_text(json.dumps(documents[name]))
     return documents
 
 

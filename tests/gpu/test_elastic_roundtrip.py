@@ -18,7 +18,8 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from tests.gpu.conftest import record
 from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
-from tests.support.roundtrip import RoundTrip, fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
+from tests.support.roundtrip import (RoundTrip, as_bytes, fill_random, mamba_families, mha_families, mla_families,
+                                     pages_to_rows, poison, random_rows)
 
 
 def backup_indices(host, rows):
@@ -99,6 +100,44 @@ def test_mha_page_first_backups_of_host_page_runs(trips, backups_in_staging_halv
     run_kv_roundtrip("MHA Qwen2.5-7B, host page runs", mha_pool(QWEN25_7B, pages=4 * RUN_PAGES),
                      MHATokenToKVPoolHost, mha_families, min(trips, 40), "page_first",
                      used=2 * RUN_PAGES, max_pages=RUN_PAGES, host_runs=True, check_after=backups_in_staging_halves)
+
+
+def test_mha_page_first_backup_is_ordered_with_the_stream_that_issues_it(backups_in_staging_halves):
+    # A backup of more than 64 pages runs its launches on two side streams. Issued on a
+    # stream still busy with a spin kernel and then with new writes to the rows it backs
+    # up, it must copy the new rows (its side streams wait for that stream), and a host
+    # read after an event recorded on that stream, with no device-wide synchronize, must
+    # see every copy (that stream waits for the side streams). The round trips above
+    # synchronize after every backup and so check neither.
+    pool = mha_pool(QWEN25_7B, pages=4 * RUN_PAGES)
+    used = pool.kvcached_allocator.alloc(RUN_PAGES)
+    host = MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, "page_first", pin_memory=True, device="cpu")
+    try:
+        families, rows = mha_families(pool, host), pages_to_rows(used, PAGE)
+        generator = torch.Generator().manual_seed(5)
+        fill_random(families, rows, generator)
+        new = [[random_rows(view, rows.numel(), generator).cuda() for view in family.device] for family in families]
+        host_rows = pages_to_rows(range(1, RUN_PAGES + 1), PAGE)
+        torch.cuda.synchronize()
+        stream, done = torch.cuda.Stream(), torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s: the backup is issued long before it may start
+            device_rows = rows.cuda()
+            for family, values in zip(families, new):
+                for view, value in zip(family.device, values):
+                    view[device_rows] = value
+            host.backup_from_device_all_layer(pool, backup_indices(host, host_rows), device_rows, "kernel")
+            done.record()
+        done.synchronize()
+        for family, values in zip(families, new):
+            for layer, value in enumerate(values):
+                assert torch.equal(as_bytes(family.host(layer)[host_rows]), as_bytes(value).cpu()), (
+                    f"{family.name} layer {layer}: host rows are not the rows written before the backup")
+        backups_in_staging_halves()
+    finally:
+        host.destroy()
+    record(test="MHA Qwen2.5-7B, backup ordered with its stream", host_layout="page_first", io_backend="kernel",
+           trips=1, result="pass", pages=RUN_PAGES)
 
 
 def test_mha_page_first_backups_of_host_page_runs_across_host_registrations(monkeypatch):

@@ -60,6 +60,11 @@ def test_the_pair_compares_a_pristine_tree_with_a_patched_one(outcomes):
     assert patched["series"].endswith(": series applied"), patched["series"]
 
 
+def test_the_pair_refuses_a_folder_that_holds_no_sglang(tmp_path):
+    with pytest.raises(RuntimeError, match="did not say what the tree holds: .*not an SGLang tree"):
+        pair.series_state(tmp_path)
+
+
 def test_every_case_is_identical_on_both_trees(outcomes):
     pristine, patched = outcomes
     assert pristine["choices"] == patched["choices"], "the trees' parsers accept different layouts or io backends"

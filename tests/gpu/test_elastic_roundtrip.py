@@ -109,6 +109,8 @@ def test_mha_page_first_backup_is_ordered_with_the_stream_that_issues_it(backups
     # read after an event recorded on that stream, with no device-wide synchronize, must
     # see every copy (that stream waits for the side streams). The round trips above
     # synchronize after every backup and so check neither.
+    from sglang.kernels.ops.kvcache import hicache
+
     pool = mha_pool(QWEN25_7B, pages=4 * RUN_PAGES)
     used = pool.kvcached_allocator.alloc(RUN_PAGES)
     host = MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, "page_first", pin_memory=True, device="cpu")
@@ -117,16 +119,24 @@ def test_mha_page_first_backup_is_ordered_with_the_stream_that_issues_it(backups
         generator = torch.Generator().manual_seed(5)
         fill_random(families, rows, generator)
         new = [[random_rows(view, rows.numel(), generator).cuda() for view in family.device] for family in families]
-        host_rows = pages_to_rows(range(1, RUN_PAGES + 1), PAGE)
+        device_rows, host_rows = rows.cuda(), pages_to_rows(range(1, RUN_PAGES + 1), PAGE)
+        # A first backup elsewhere in the host pool builds the kernels and the side
+        # streams, so that nothing in the timed one waits for the host.
+        warm_up = pages_to_rows(range(RUN_PAGES + 1, 2 * RUN_PAGES + 1), PAGE)
+        host.backup_from_device_all_layer(pool, backup_indices(host, warm_up), device_rows, "kernel")
         torch.cuda.synchronize()
-        stream, done = torch.cuda.Stream(), torch.cuda.Event()
+        device = torch.device("cuda", torch.cuda.current_device())
+        sides = {s.cuda_stream for s in hicache._write_back_streams(device, 0)}
+        # torch hands out pooled streams in turn: take one that is not a side stream
+        stream = next(s for s in (torch.cuda.Stream(device) for _ in range(64)) if s.cuda_stream not in sides)
+        done = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(200_000_000)  # about 0.1 s: the backup is issued long before it may start
-            device_rows = rows.cuda()
+            torch.cuda._sleep(1_000_000_000)  # about half a second: the backup is issued long before it may start
             for family, values in zip(families, new):
                 for view, value in zip(family.device, values):
                     view[device_rows] = value
             host.backup_from_device_all_layer(pool, backup_indices(host, host_rows), device_rows, "kernel")
+            assert not stream.query(), "the backup was issued after its stream went idle: nothing was checked"
             done.record()
         done.synchronize()
         for family, values in zip(families, new):

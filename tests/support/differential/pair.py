@@ -27,10 +27,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def series_state(tree: Path) -> str:
-    """scripts/status's first line for the tree ("SGLang 0.5.20 at ...: series applied")."""
+    """scripts/status's first line for the tree ("SGLang 0.5.20 at ...: series applied";
+    it exits 3 for any state but applied)."""
     status = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), str(tree)],
                             capture_output=True, text=True)
-    return (status.stdout.splitlines() or [status.stderr.strip()])[0]
+    first = (status.stdout.splitlines() or [""])[0]
+    if not first.startswith("SGLang "):
+        raise RuntimeError(f"scripts/status {tree} (exit {status.returncode}) did not say what the tree holds: "
+                           f"{status.stderr.strip()[-2000:] or status.stdout.strip()[-2000:]}")
+    return first
 
 
 def run_pair(trees: dict[str, Path], out: Path, runner_args: list[str] = ()) -> dict[str, dict]:

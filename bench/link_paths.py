@@ -297,7 +297,8 @@ def build_plans(gen, device_pages, host_page_count: int, tokens: int, to_device)
 
 def staged_launch_pages(facts: KernelFacts, pages: int, overlap: bool = True) -> int:
     """Pages per launch of the staged write-back: a staging buffer's worth, or half of
-    one where it takes more than one buffer and overlaps (patch 0010)."""
+    one where it takes more than one buffer and overlaps (patch 0010). The wrapper also
+    ends a launch at a host registration piece; these host pools are pinned in one."""
     if overlap and facts.staged_overlaps and pages > facts.staging_pages and facts.staging_pages > 1:
         return facts.staging_pages // 2
     return facts.staging_pages

@@ -9,7 +9,8 @@
 #   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
 #   link-paths bench/link_paths.py on the patched tree ($LINK_ARGS, e.g. --parts mha --skip-footprint)
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
-#              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case 'mha*')
+#              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
+#              at spaces, no quotes, no file-name globbing)
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
@@ -37,8 +38,9 @@ if has tier; then
   echo "patched tier exit: $?" >> "$out/patched.log"
 fi
 if has differential; then
+  read -r -a diff_args <<< "${DIFF_ARGS:-}"  # words, not file names: --case mha* stays a pattern
   python3 -m tests.support.differential.pair --pristine "$pristine" --patched "$site" \
-    --out "$out/differential" --device cuda --real-kernels ${DIFF_ARGS:-} > "$out/differential.log" 2>&1
+    --out "$out/differential" --device cuda --real-kernels "${diff_args[@]}" > "$out/differential.log" 2>&1
   echo "differential exit: $?" >> "$out/differential.log"
 fi
 if has bench; then

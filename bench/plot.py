@@ -6,12 +6,15 @@ One panel per (pool, direction, host layout); the pinned-copy bandwidth of the s
 is the dashed line every panel is bounded by, and 95% of it the dotted grey line (the
 target for large batches). Solid lines: throughput by CUDA-event time
 (host included); dotted, same colour: by the GPU time of the copies alone, where the
-run recorded it. Needs matplotlib (requirements/bench.txt).
+run recorded it. A run of several rounds is drawn by its medians. Needs matplotlib
+(requirements/bench.txt).
 """
 from __future__ import annotations
 
 import json
 import sys
+
+from transfer_bench import merge_rounds
 
 LINK_TARGET = 0.95   # large transfers should reach this share of the pinned copy
 
@@ -34,7 +37,7 @@ def main(src, dst):
     import matplotlib.pyplot as plt
 
     data = json.load(open(src))
-    rows = [r for r in data["rows"] if "GBps" in r]
+    rows = [r for r in merge_rounds(data["rows"]) if "GBps" in r]
     link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
     keys = panels(rows)
     cols = 4

@@ -443,6 +443,41 @@ def run_child(script: str, mode: str, native_sglang: str | None, args: list[str]
 
 
 VARIANTS = ("native", "patched-dense", "kvcached-contiguous", "kvcached-per-layer")
+IDENTITY = ("mode", "pool", "direction", "host_layout", "batch")   # what one measurement is of
+TIMES = ("GBps", "seconds", "kernel_us", "span_us")
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per measurement of a --rounds run: the median of its rounds' GB/s and times,
+    with `rounds` saying how many there were; a load-back check passes only if it passed in
+    every round. Two processes of one variant differ by a few percent (clocks, placement of
+    pinned memory), more than the variants do in many cells, so single runs cannot rank
+    them. Rows of a one-round run and error rows come back unchanged."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = ("error", len(groups)) if "error" in r else tuple(r.get(k) for k in IDENTITY)
+        groups.setdefault(key, []).append(r)
+    merged = []
+    for same in groups.values():
+        if len(same) == 1:
+            merged.append(same[0])
+            continue
+        out = {k: v for k, v in same[0].items() if k not in ("round", "GBps_min", "GBps_max")}
+        out["rounds"] = len(same)
+        for name in TIMES:
+            values = [r[name] for r in same if name in r]
+            if values:
+                out[name] = statistics.median(values)
+        if "byte_exact" in out:
+            out["byte_exact"] = all(r.get("byte_exact") for r in same)
+        merged.append(out)
+    return merged
+
+
+def round_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in the order the children run: every other round reversed, so no
+    variant always runs first or last (the GPU warms up over a run)."""
+    return [(r, m) for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
 
 
 def table(rows: list[dict]) -> str:
@@ -451,8 +486,9 @@ def table(rows: list[dict]) -> str:
 
     Ratios are of CUDA-event throughput, then in brackets of the GPU time the copies
     themselves took (native's / the variant's): small batches are bound by the host
-    issuing 27-28 per-layer calls, which varies from process to process."""
-    all_rows = rows
+    issuing 27-28 per-layer calls, which varies from process to process. Rows of several
+    rounds are merged first (merge_rounds)."""
+    rows = all_rows = merge_rounds(rows)
     errors = [f"{r['mode']} {r['pool']}: {r['error']}" for r in rows if "error" in r]
     trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
     rows = [r for r in rows if "GBps" in r]
@@ -489,6 +525,9 @@ def table(rows: list[dict]) -> str:
     lines.append(f"byte-exact load-back checks: {len(checks) - len(bad)} of {len(checks)} pass"
                  + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     lines += [f"tree: {t}" for t in trees]
+    rounds = max((r.get("rounds", 1) for r in rows), default=1)
+    if rounds > 1:
+        lines.append(f"every cell: the median over {rounds} rounds of the variants in alternating order")
     lines.append(f"\npinned copy (1 GiB): D2H {link.get('backup', 0):.1f} GB/s, H2D {link.get('load', 0):.1f} GB/s")
     return "\n".join(lines)
 
@@ -505,6 +544,9 @@ def main():
                     help="host pages of a KV batch: random, or one run of consecutive pages (as SGLang's "
                          "host allocator hands them out)")
     ap.add_argument("--host-layouts", default=",".join(HOST_LAYOUTS), help="KV host layouts to time")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants this many times, alternating their order (native first, then "
+                         "last), and table the median of each cell over the rounds")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -514,17 +556,20 @@ def main():
     host_layouts = tuple(args.host_layouts.split(","))
     if set(host_layouts) - set(HOST_LAYOUTS):
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if args.child:
         json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts), sys.stdout)
         return
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                reps=args.reps, page_size=PAGE, host_pages=args.host_pages)
+                reps=args.reps, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds)
     rows = []
-    for mode in args.modes.split(","):
-        rows += run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts,
-                                                              "--host-pages", args.host_pages,
-                                                              "--host-layouts", args.host_layouts])
+    for round_, mode in round_order(args.modes.split(","), args.rounds):
+        child_rows = run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts,
+                                                                    "--host-pages", args.host_pages,
+                                                                    "--host-layouts", args.host_layouts])
+        rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
         with open(args.out, "w") as handle:  # after every variant: a cut-short run keeps what it measured
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     print(table(rows))

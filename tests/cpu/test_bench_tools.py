@@ -37,6 +37,38 @@ def test_table_gives_event_and_gpu_time_ratios_to_native():
     assert header.count("|") == len(cells) + 1 and header.endswith("| contig/link | per-layer/link |")
 
 
+def test_rounds_alternate_which_variant_runs_first():
+    order = transfer_bench.round_order(["native", "patched-dense", "kvcached-contiguous"], 3)
+    assert order == [(0, "native"), (0, "patched-dense"), (0, "kvcached-contiguous"),
+                     (1, "kvcached-contiguous"), (1, "patched-dense"), (1, "native"),
+                     (2, "native"), (2, "patched-dense"), (2, "kvcached-contiguous")]
+
+
+def test_table_of_several_rounds_takes_each_cells_median():
+    link = dict(mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=1 << 30)
+    check = dict(mode="kvcached-contiguous", pool="MLA", host_layout="layer_first", batch=4096)
+    rounds = [[dict(link, GBps=50.0), row("native", 5.0, kernel_us=110.0), row("kvcached-contiguous", 4.0, kernel_us=100.0),
+               dict(check, byte_exact=True)],
+              [dict(link, GBps=40.0), row("native", 9.0, kernel_us=90.0), row("kvcached-contiguous", 6.0, kernel_us=120.0),
+               dict(check, byte_exact=False)],
+              [dict(link, GBps=45.0), row("native", 6.0, kernel_us=100.0), row("kvcached-contiguous", 5.0, kernel_us=80.0),
+               dict(check, byte_exact=True), dict(mode="kvcached-per-layer", pool="MLA", error="boom")]]
+    rows = [dict(r, round=i) for i, rs in enumerate(rounds) for r in rs]
+    merged = transfer_bench.merge_rounds(rows)
+    assert len(merged) == 5
+    contig = next(r for r in merged if r["mode"] == "kvcached-contiguous" and "GBps" in r)
+    assert (contig["GBps"], contig["kernel_us"], contig["rounds"]) == (5.0, 100.0, 3) and "round" not in contig
+    text = transfer_bench.table(rows)
+    cells = [c.strip() for c in next(l for l in text.splitlines() if l.startswith("| MLA")).strip("|").split("|")]
+    # medians: native 6.0 GB/s over 100 us, contig 5.0 over 100 us, link 45
+    assert cells[4:7] == ["6.00", "-", "5.00"] and cells[9] == "0.83 (1.00)" and cells[11] == "0.13"
+    # the check failed in one round: it fails; the error of one round is still reported
+    assert "byte-exact load-back checks: 0 of 1 pass" in text and "not measured: kvcached-per-layer MLA: boom" in text
+    assert "median over 3 rounds" in text
+    # a one-round run is tabled as before
+    assert "rounds" not in transfer_bench.table([dict(r) for r in rounds[0]])
+
+
 def test_default_run_is_the_four_variants_the_table_shows():
     assert set(transfer_bench.VARIANTS) <= set(transfer_bench.MODES)
     assert "torch-interleaved" in transfer_bench.MODES and "torch-interleaved" not in transfer_bench.VARIANTS

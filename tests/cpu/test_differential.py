@@ -151,7 +151,7 @@ def test_comparison_lists_what_only_the_patched_tree_adds_without_failing():
     assert not compare.compare(_document(), _document()).first
 
 
-@pytest.mark.parametrize("run", ["2026-11-30-h200", "2026-12-01-h200"])
+@pytest.mark.parametrize("run", ["2026-11-30-h200", "2026-12-01-h200", "2026-12-01-h200-long-trips"])
 def test_gpu_results_in_the_docs_are_the_committed_runs(run):
     # docs/differential.md's GPU tables are what the committed runner outcomes say
     import gzip

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import kvcached_memory  # noqa: E402
 import link_paths  # noqa: E402
 import profile_transfers  # noqa: E402
 import transfer_bench  # noqa: E402
@@ -230,3 +231,37 @@ def test_link_paths_one_stream_row_runs_the_write_back_without_halves():
     run = link_paths.on_one_stream(hc, lambda: seen.append(hc._staged_write_back_launches(None, 64, True)))
     run()
     assert seen == [[("whole", 64)]] and hc._staged_write_back_launches is plan_launches
+
+
+def test_kvcached_memory_twin_keeps_every_views_shape_and_strides_in_memory_of_its_own():
+    whole = torch.zeros(10, 3, 2, 4)   # [token][layer][K, V][row], as kvcached's contiguous layout
+    views = [whole[:, layer, kv] for kv in range(2) for layer in range(3)]
+    twin = kvcached_memory.torch_twin(views)
+    assert [(t.shape, t.stride()) for t in twin] == [(v.shape, v.stride()) for v in views]
+    assert not {t.data_ptr() for t in twin} & {v.data_ptr() for v in views}
+
+
+def test_kvcached_memory_points_the_pool_at_the_views_the_load_writes():
+    class Pool:
+        pass
+
+    class KV:
+        pool = Pool()
+
+    kv = KV()
+    kv.part = "mha"
+    kvcached_memory.point_at(kv, ["k0", "k1", "v0", "v1"])
+    assert (kv.pool.k_buffer, kv.pool.v_buffer) == (["k0", "k1"], ["v0", "v1"])
+    kv.part = "mla"
+    kvcached_memory.point_at(kv, ["l0", "l1"])
+    assert kv.pool.kv_buffer == ["l0", "l1"]
+
+
+def test_kvcached_memory_table_gives_medians_their_ratio_and_who_was_slower():
+    rows = [dict(layout="per-layer", pool="MHA", batch=64, kvcached_us=[110.0, 100.0, 130.0],
+                 torch_us=[100.0, 105.0, 100.0], both_loaded_the_bytes=True),
+            dict(layout="contiguous", pool="MLA", batch=256, kvcached_us=[50.0], torch_us=[50.0],
+                 both_loaded_the_bytes=False)]
+    lines = kvcached_memory.table(rows).splitlines()
+    assert lines[2] == "| per-layer | MHA | 64 | 110.0 | 100.0 | 0.909 | 2 of 3 | same |"
+    assert lines[3] == "| contiguous | MLA | 256 | 50.0 | 50.0 | 1.000 | 0 of 1 | DIFFER |"

@@ -5,12 +5,13 @@
 transfer_bench.py compares variants across processes. Its small page_first loads into
 kvcached pools take 0-13% more GPU time than native's in some processes and none in
 others, while a kvcached per-layer pool has dense per-layer views, so SGLang runs
-native's kernel and grid on it. This separates the memory from the process: per kvcached
-layout (a child each), it builds the pool as transfer_bench.py does, and a twin of its
-per-layer views in torch's memory (same shapes and strides; torch.empty_strided), then
-times SGLang's load of every layer into one and the other, alternating, --reps times
-per batch (GPU time of the kernels, torch.profiler). Each batch ends with a check that
-both targets hold the same rows after the same load, so the twin really was written.
+native's kernel and grid on it. This separates the memory from the process: per process
+kind (a child each: kvcached in either layout, or none, SGLang's own pool, the control),
+it builds the pool as transfer_bench.py does, and a twin of its per-layer views in
+torch's memory (the same strides, the rows a load can write), then times SGLang's load
+of every layer into one and the other, alternating, --reps times per batch (GPU time of
+the kernels, torch.profiler). Each batch ends with a check that both targets hold the
+same rows after the same load, so the twin really was written.
 """
 from __future__ import annotations
 
@@ -20,18 +21,21 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transfer_bench as tb  # noqa: E402
 
 TOKENS = [64, 256, 1024]
-LAYOUTS = {"contiguous": "kvcached-contiguous", "per-layer": "kvcached-per-layer"}
+# process kind -> transfer_bench mode; "native": SGLang's own pool in a process without kvcached
+PROCESSES = {"native": "native", "contiguous": "kvcached-contiguous", "per-layer": "kvcached-per-layer"}
 
 
-def torch_twin(views):
-    """Views of torch's memory with each view's shape and strides."""
+def torch_twin(views, rows: int):
+    """Views of torch's memory with each view's strides and its first `rows` rows
+    (kvcached's views span its whole virtual reservation)."""
     import torch
-    return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in views]
+    return [torch.empty_strided((rows, *v.shape[1:]), v.stride(), dtype=v.dtype, device=v.device) for v in views]
 
 
 def point_at(kv, views):
@@ -44,13 +48,14 @@ def point_at(kv, views):
 
 
 def loads_into_both(kv, host, n, mapped, twin):
-    """load(target, i): every layer of the i-th rotating index set into `mapped` or `twin`;
+    """load(target, i): every layer of the i-th rotating index set into `mapped` (the
+    pool's own views) or `twin`;
     and check(): both hold a backed-up batch's bytes after loading it."""
     import torch
     dev, host_backup, host_load = kv.index_sets(host, n)
 
     def load(target, i):
-        point_at(kv, mapped if target == "kvcached" else twin)
+        point_at(kv, mapped if target == "pool" else twin)
         tb.load_all_layers(host, kv.pool, host_load[i % len(dev)], dev[i % len(dev)], kv.layers)
 
     def check():
@@ -59,7 +64,7 @@ def loads_into_both(kv, host, n, mapped, twin):
             v[dev[1]] = torch.randn((dev[1].numel(), *v.shape[1:]), device=v.device).to(v.dtype)
         before = [v[dev[1]].clone() for v in mapped]
         host.backup_from_device_all_layer(kv.pool, host_backup[0], dev[1], "kernel")
-        for target in ("kvcached", "torch"):
+        for target in ("pool", "twin"):
             load(target, 0)   # set 0: host_load[0] is host_backup[0]; rows dev[0]
         point_at(kv, mapped)
         torch.cuda.synchronize()
@@ -68,25 +73,26 @@ def loads_into_both(kv, host, n, mapped, twin):
     return load, check
 
 
-def child(layout: str, reps: int, parts: list[str]) -> list[dict]:
+def child(process: str, reps: int, parts: list[str]) -> list[dict]:
     import torch
-    tb.import_sglang(LAYOUTS[layout])
+    tb.import_sglang(PROCESSES[process])
     rows, gen = [], torch.Generator().manual_seed(0)
     for part in parts:
         kv = tb.KVBench(part, gen, max_tokens=max(TOKENS))
-        mapped, twin = list(kv.views), torch_twin(kv.views)
+        mapped = list(kv.views)
+        twin = torch_twin(mapped, (int(kv.pages.max()) + 1) * tb.PAGE)   # every row a load can write
         host = kv.host_pool("page_first")
         for n in TOKENS:
             load, check = loads_into_both(kv, host, n, mapped, twin)
-            for target in ("kvcached", "torch"):   # warm-up: JIT builds outside the timing
+            for target in ("pool", "twin"):   # warm-up: JIT builds outside the timing
                 load(target, 0)
-            gpu_us = {"kvcached": [], "torch": []}
+            gpu_us = {"pool": [], "twin": []}
             for i in range(reps):   # alternating, so drift over the run hits both alike
-                for target in (("kvcached", "torch") if i % 2 == 0 else ("torch", "kvcached")):
+                for target in (("pool", "twin") if i % 2 == 0 else ("twin", "pool")):
                     (profiled,) = tb.kernel_profile(lambda _: load(target, i), 1)
                     gpu_us[target].append(profiled["kernel_us"])
-            rows.append(dict(layout=layout, pool=part.upper(), direction="load", host_layout="page_first",
-                             batch=n, kvcached_us=gpu_us["kvcached"], torch_us=gpu_us["torch"],
+            rows.append(dict(process=process, pool=part.upper(), direction="load", host_layout="page_first",
+                             batch=n, pool_us=gpu_us["pool"], twin_us=gpu_us["twin"],
                              both_loaded_the_bytes=check()))
         host.destroy()
         kv.release()
@@ -96,15 +102,16 @@ def child(layout: str, reps: int, parts: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Per cell: the median GPU time of each target, torch's / kvcached's (under 1.00:
-    kvcached's memory is slower), and in how many alternations kvcached's was slower."""
-    lines = ["| kvcached layout | pool | batch | kvcached us | torch us | torch/kvcached | kvcached slower in | bytes |",
+    """Per cell: the median GPU time into the pool's memory and into the torch twin, their
+    ratio twin / pool (under 1.00: the pool's memory is slower), and in how many
+    alternations the pool's was slower."""
+    lines = ["| process | pool | batch | pool's memory us | torch twin us | twin/pool | pool slower in | bytes |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        kvc, twin = statistics.median(r["kvcached_us"]), statistics.median(r["torch_us"])
-        slower = sum(a > b for a, b in zip(r["kvcached_us"], r["torch_us"]))
-        lines.append(f"| {r['layout']} | {r['pool']} | {r['batch']} | {kvc:.1f} | {twin:.1f} | {twin / kvc:.3f} "
-                     f"| {slower} of {len(r['kvcached_us'])} | {'same' if r['both_loaded_the_bytes'] else 'DIFFER'} |")
+        pool, twin = statistics.median(r["pool_us"]), statistics.median(r["twin_us"])
+        slower = sum(a > b for a, b in zip(r["pool_us"], r["twin_us"]))
+        lines.append(f"| {r['process']} | {r['pool']} | {r['batch']} | {pool:.1f} | {twin:.1f} | {twin / pool:.3f} "
+                     f"| {slower} of {len(r['pool_us'])} | {'same' if r['both_loaded_the_bytes'] else 'DIFFER'} |")
     return "\n".join(lines)
 
 
@@ -113,25 +120,26 @@ def main():
     ap.add_argument("--out", default=os.path.join(tb.ROOT, "bench", "kvcached-memory.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", default="mha,mla", help="any of mha,mla")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"any of {','.join(LAYOUTS)}")
+    ap.add_argument("--processes", default=",".join(PROCESSES), help=f"any of {','.join(PROCESSES)}")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    parts, layouts = args.parts.split(","), args.layouts.split(",")
-    if set(parts) - {"mha", "mla"} or set(layouts) - set(LAYOUTS):
-        ap.error(f"--parts: mha,mla; --layouts: {','.join(LAYOUTS)}")
+    parts, processes = args.parts.split(","), args.processes.split(",")
+    if set(parts) - {"mha", "mla"} or set(processes) - set(PROCESSES):
+        ap.error(f"--parts: mha,mla; --processes: {','.join(PROCESSES)}")
     if args.child:
         json.dump(child(args.child, args.reps, parts), sys.stdout)
         return
     import torch
     rows = []
-    for layout in layouts:
-        proc = subprocess.run([sys.executable, __file__, "--child", layout, "--reps", str(args.reps),
+    for process in processes:
+        proc = subprocess.run([sys.executable, __file__, "--child", process, "--reps", str(args.reps),
                                "--parts", args.parts], capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{layout}: child failed")
+            raise SystemExit(f"{process}: child failed")
         rows += json.loads(proc.stdout.strip().splitlines()[-1])
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps, page_size=tb.PAGE,
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                reps=args.reps, page_size=tb.PAGE,
                 kvcached_page_mb=os.environ.get("KVCACHED_PAGE_SIZE_MB", "4"))
     with open(args.out, "w") as handle:
         json.dump({"meta": meta, "rows": rows}, handle, indent=1)

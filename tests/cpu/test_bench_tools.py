@@ -236,8 +236,8 @@ def test_link_paths_one_stream_row_runs_the_write_back_without_halves():
 def test_kvcached_memory_twin_keeps_every_views_shape_and_strides_in_memory_of_its_own():
     whole = torch.zeros(10, 3, 2, 4)   # [token][layer][K, V][row], as kvcached's contiguous layout
     views = [whole[:, layer, kv] for kv in range(2) for layer in range(3)]
-    twin = kvcached_memory.torch_twin(views)
-    assert [(t.shape, t.stride()) for t in twin] == [(v.shape, v.stride()) for v in views]
+    twin = kvcached_memory.torch_twin(views, rows=6)
+    assert [(t.shape, t.stride()) for t in twin] == [((6, 4), v.stride()) for v in views]
     assert not {t.data_ptr() for t in twin} & {v.data_ptr() for v in views}
 
 
@@ -258,9 +258,9 @@ def test_kvcached_memory_points_the_pool_at_the_views_the_load_writes():
 
 
 def test_kvcached_memory_table_gives_medians_their_ratio_and_who_was_slower():
-    rows = [dict(layout="per-layer", pool="MHA", batch=64, kvcached_us=[110.0, 100.0, 130.0],
-                 torch_us=[100.0, 105.0, 100.0], both_loaded_the_bytes=True),
-            dict(layout="contiguous", pool="MLA", batch=256, kvcached_us=[50.0], torch_us=[50.0],
+    rows = [dict(process="per-layer", pool="MHA", batch=64, pool_us=[110.0, 100.0, 130.0],
+                 twin_us=[100.0, 105.0, 100.0], both_loaded_the_bytes=True),
+            dict(process="contiguous", pool="MLA", batch=256, pool_us=[50.0], twin_us=[50.0],
                  both_loaded_the_bytes=False)]
     lines = kvcached_memory.table(rows).splitlines()
     assert lines[2] == "| per-layer | MHA | 64 | 110.0 | 100.0 | 0.909 | 2 of 3 | same |"

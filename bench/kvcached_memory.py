@@ -6,12 +6,14 @@ transfer_bench.py compares variants across processes. Its small page_first loads
 kvcached pools take 0-13% more GPU time than native's in some processes and none in
 others, while a kvcached per-layer pool has dense per-layer views, so SGLang runs
 native's kernel and grid on it. This separates the memory from the process: per process
-kind (a child each: kvcached in either layout, or none, SGLang's own pool, the control),
-it builds the pool as transfer_bench.py does, and a twin of its per-layer views in
-torch's memory (the same strides, the rows a load can write), then times SGLang's load
-of every layer into one and the other, alternating, --reps times per batch (GPU time of
-the kernels, torch.profiler). Each batch ends with a check that both targets hold the
-same rows after the same load, so the twin really was written.
+kind (a child each: kvcached in either layout; or "native", kvcached off, SGLang's own
+dense pool, the control; every child imports the tree on PYTHONPATH), it builds the
+pool as transfer_bench.py does, and a twin of its per-layer views in torch's memory
+(the same strides, the rows a load can write, an allocation per view), then times
+SGLang's load of every layer (page_first host pool, random host pages) into one and the
+other, alternating, --reps times per batch (GPU time of the kernels, torch.profiler).
+Each batch ends with a check that both targets hold the same rows after the same load,
+so the twin really was written.
 """
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ import transfer_bench as tb  # noqa: E402
 TOKENS = [64, 256, 1024]
 # process kind -> transfer_bench mode; "native": SGLang's own pool in a process without kvcached
 PROCESSES = {"native": "native", "contiguous": "kvcached-contiguous", "per-layer": "kvcached-per-layer"}
+
+
+def rows_a_load_can_write(pages) -> int:
+    """Rows up to the end of the highest page a batch can take (KVBench.index_sets draws
+    device pages from kv.pages, each PAGE rows)."""
+    return (int(max(pages)) + 1) * tb.PAGE
 
 
 def torch_twin(views, rows: int):
@@ -67,10 +75,28 @@ def loads_into_both(kv, host, n, mapped, twin):
         for target in ("pool", "twin"):
             load(target, 0)   # set 0: host_load[0] is host_backup[0]; rows dev[0]
         point_at(kv, mapped)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return all(torch.equal(m[dev[0]], b) and torch.equal(t[dev[0]], b) for m, t, b in zip(mapped, twin, before))
 
     return load, check
+
+
+def time_loads(kv, host, mapped, twin, reps: int) -> list[dict]:
+    """Per batch: GPU microseconds of each alternating load into the pool's memory and
+    into the twin, and the byte check."""
+    cells = []
+    for n in TOKENS:
+        load, check = loads_into_both(kv, host, n, mapped, twin)
+        for target in ("pool", "twin"):   # warm-up: JIT builds outside the timing
+            load(target, 0)
+        gpu_us = {"pool": [], "twin": []}
+        for i in range(reps):   # alternating, so drift over the run hits both alike
+            for target in (("pool", "twin") if i % 2 == 0 else ("twin", "pool")):
+                (profiled,) = tb.kernel_profile(lambda _: load(target, i), 1)
+                gpu_us[target].append(profiled["kernel_us"])
+        cells.append(dict(batch=n, pool_us=gpu_us["pool"], twin_us=gpu_us["twin"], both_loaded_the_bytes=check()))
+    return cells
 
 
 def child(process: str, reps: int, parts: list[str]) -> list[dict]:
@@ -80,24 +106,14 @@ def child(process: str, reps: int, parts: list[str]) -> list[dict]:
     for part in parts:
         kv = tb.KVBench(part, gen, max_tokens=max(TOKENS))
         mapped = list(kv.views)
-        twin = torch_twin(mapped, (int(kv.pages.max()) + 1) * tb.PAGE)   # every row a load can write
+        twin = torch_twin(mapped, rows_a_load_can_write(kv.pages))
         host = kv.host_pool("page_first")
-        for n in TOKENS:
-            load, check = loads_into_both(kv, host, n, mapped, twin)
-            for target in ("pool", "twin"):   # warm-up: JIT builds outside the timing
-                load(target, 0)
-            gpu_us = {"pool": [], "twin": []}
-            for i in range(reps):   # alternating, so drift over the run hits both alike
-                for target in (("pool", "twin") if i % 2 == 0 else ("twin", "pool")):
-                    (profiled,) = tb.kernel_profile(lambda _: load(target, i), 1)
-                    gpu_us[target].append(profiled["kernel_us"])
-            rows.append(dict(process=process, pool=part.upper(), direction="load", host_layout="page_first",
-                             batch=n, pool_us=gpu_us["pool"], twin_us=gpu_us["twin"],
-                             both_loaded_the_bytes=check()))
+        rows += [dict(process=process, pool=part.upper(), direction="load", host_layout="page_first", **cell)
+                 for cell in time_loads(kv, host, mapped, twin, reps)]
         host.destroy()
         kv.release()
         del mapped, twin
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()   # before the next part's pool and twin
     return rows
 
 

@@ -70,7 +70,8 @@ def main(src, dst):
     meta = data.get("meta", {})
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.suptitle(f"HiCache transfers, {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
-                 f"{meta.get('date', '')}, median of {meta.get('reps', '?')}", fontsize=10)
+                 f"{meta.get('date', '')}, median of {meta.get('reps', '?')}"
+                 + (f", then of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(dst, dpi=110)
 

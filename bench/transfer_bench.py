@@ -450,9 +450,9 @@ TIMES = ("GBps", "seconds", "kernel_us", "span_us")
 def merge_rounds(rows: list[dict]) -> list[dict]:
     """One row per measurement of a --rounds run: the median of its rounds' GB/s and times,
     with `rounds` saying how many there were; a load-back check passes only if it passed in
-    every round. Two processes of one variant differ by a few percent (clocks, placement of
-    pinned memory), more than the variants do in many cells, so single runs cannot rank
-    them. Rows of a one-round run and error rows come back unchanged."""
+    every round. At small batches two processes of one variant can differ by more than the
+    variants do (bench/RESULTS.md), so single runs cannot rank them. Rows of a one-round
+    run and error rows come back unchanged."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         key = ("error", len(groups)) if "error" in r else tuple(r.get(k) for k in IDENTITY)
@@ -468,6 +468,8 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
             values = [r[name] for r in same if name in r]
             if values:
                 out[name] = statistics.median(values)
+        if "seconds" in out and "batch_bytes" in out:   # GB/s of the median time, as timed_row gives it
+            out["GBps"] = out["batch_bytes"] / out["seconds"] / 1e9
         if "byte_exact" in out:
             out["byte_exact"] = all(r.get("byte_exact") for r in same)
         merged.append(out)
@@ -525,9 +527,10 @@ def table(rows: list[dict]) -> str:
     lines.append(f"byte-exact load-back checks: {len(checks) - len(bad)} of {len(checks)} pass"
                  + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     lines += [f"tree: {t}" for t in trees]
-    rounds = max((r.get("rounds", 1) for r in rows), default=1)
-    if rounds > 1:
-        lines.append(f"every cell: the median over {rounds} rounds of the variants in alternating order")
+    rounds = sorted({r["rounds"] for r in rows if "rounds" in r})
+    if rounds:   # fewer for a cell that a cut-short run left out of its last rounds
+        counted = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
+        lines.append(f"each cell: the median over its {counted} rounds of the variants in alternating order")
     lines.append(f"\npinned copy (1 GiB): D2H {link.get('backup', 0):.1f} GB/s, H2D {link.get('load', 0):.1f} GB/s")
     return "\n".join(lines)
 

@@ -65,9 +65,27 @@ def test_table_of_several_rounds_takes_each_cells_median():
     assert cells[4:7] == ["6.00", "-", "5.00"] and cells[9] == "0.83 (1.00)" and cells[11] == "0.13"
     # the check failed in one round: it fails; the error of one round is still reported
     assert "byte-exact load-back checks: 0 of 1 pass" in text and "not measured: kvcached-per-layer MLA: boom" in text
-    assert "median over 3 rounds" in text
+    assert "median over its 3 rounds" in text
     # a one-round run is tabled as before
     assert "rounds" not in transfer_bench.table([dict(r) for r in rounds[0]])
+
+
+def test_merged_rounds_keep_cells_apart_and_take_gbps_from_the_median_time():
+    # two batches, both directions, two host layouts: each cell merges only its own rounds
+    def timed(direction, layout, batch, seconds, span_us):
+        return dict(mode="native", pool="MHA", direction=direction, host_layout=layout, batch=batch,
+                    batch_bytes=1e9, seconds=seconds, GBps=1 / seconds, GBps_min=0.0, span_us=span_us)
+    cells = [(d, layout, b) for d in ("backup", "load") for layout in ("page_first", "layer_first") for b in (64, 256)]
+    rows = [dict(timed(*cell, seconds=(k + 1) * (r + 1), span_us=10.0 * (k + 1) + r), round=r)
+            for r in range(4) for k, cell in enumerate(cells)]
+    merged = transfer_bench.merge_rounds(rows)
+    assert len(merged) == len(cells)
+    for k, cell in enumerate(cells):
+        (out,) = [m for m in merged if (m["direction"], m["host_layout"], m["batch"]) == cell]
+        # rounds took (k+1) * 1, 2, 3, 4 s: median 2.5 (k+1) s; GB/s of that time, not the median of GB/s
+        assert out["seconds"] == 2.5 * (k + 1) and out["GBps"] == 1 / (2.5 * (k + 1))
+        assert out["span_us"] == 10.0 * (k + 1) + 1.5 and out["rounds"] == 4
+        assert "GBps_min" not in out and "round" not in out
 
 
 def test_default_run_is_the_four_variants_the_table_shows():
@@ -265,3 +283,48 @@ def test_kvcached_memory_table_gives_medians_their_ratio_and_who_was_slower():
     lines = kvcached_memory.table(rows).splitlines()
     assert lines[2] == "| per-layer | MHA | 64 | 110.0 | 100.0 | 0.909 | 2 of 3 | same |"
     assert lines[3] == "| contiguous | MLA | 256 | 50.0 | 50.0 | 1.000 | 0 of 1 | DIFFER |"
+
+
+def test_kvcached_memory_twin_covers_the_highest_page_a_batch_can_take():
+    assert kvcached_memory.rows_a_load_can_write(torch.tensor([7, 3])) == 8 * transfer_bench.PAGE
+
+
+def test_kvcached_memory_loads_reach_the_target_named_and_the_check_sees_both(monkeypatch):
+    # a host pool that copies rows between itself and the pool's current views: loading
+    # "twin" must write the twin and not the pool's memory, and check() must see both
+    class Host:
+        def __init__(self, views):
+            self.rows = [torch.zeros_like(v) for v in views]
+
+        def backup_from_device_all_layer(self, pool, host_indices, device_indices, io_backend):
+            for store, view in zip(self.rows, [*pool.k_buffer, *pool.v_buffer]):
+                store[host_indices] = view[device_indices]
+
+        def load_to_device_per_layer(self, pool, host_indices, device_indices, layer, io_backend):
+            half = len(self.rows) // 2
+            pool.k_buffer[layer][device_indices] = self.rows[layer][host_indices]
+            pool.v_buffer[layer][device_indices] = self.rows[half + layer][host_indices]
+
+    class KV:
+        part, layers = "mha", 2
+
+        def __init__(self):
+            self.pool = type("Pool", (), {})()
+
+        def index_sets(self, host, n):
+            return [torch.arange(0, 4), torch.arange(4, 8)], [torch.arange(8, 12)] * 2, [torch.arange(8, 12)] * 2
+
+    mapped = [torch.randn(16, 3) for _ in range(4)]
+    twin = kvcached_memory.torch_twin(mapped, 16)
+    kv, host = KV(), Host(mapped)
+    kvcached_memory.point_at(kv, mapped)
+    load, check = kvcached_memory.loads_into_both(kv, host, 4, mapped, twin)
+    host.rows[0][8:12] = 5.0
+    load("twin", 0)
+    assert torch.equal(twin[0][0:4], torch.full((4, 3), 5.0)) and not torch.equal(mapped[0][0:4], twin[0][0:4])
+    assert check()
+    # a load that ignores its target leaves the twin behind: the check says so
+    monkeypatch.setattr(kvcached_memory, "point_at", lambda kv, views: None)
+    load, check = kvcached_memory.loads_into_both(kv, host, 4, mapped, twin)
+    twin[0].zero_()
+    assert not check()

@@ -41,8 +41,9 @@ def main(src, dst):
     link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
     keys = panels(rows)
     cols = 4
-    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.3 * ((len(keys) + 3) // 4)),
-                             squeeze=False)
+    grid_rows = (len(keys) + cols - 1) // cols
+    height = 3.3 * grid_rows + 0.7   # the legend's two lines below the panels
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, height), squeeze=False)
     for ax, (pool, direction, layout) in zip(axes.flat, keys):
         for mode, (label, color) in VARIANTS.items():
             points = sorted((r["batch"], r["GBps"]) for r in rows
@@ -72,7 +73,7 @@ def main(src, dst):
     fig.suptitle(f"HiCache transfers, {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
                  f"{meta.get('date', '')}, median of {meta.get('reps', '?')}"
                  + (f", then of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else ""), fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.7 / height, 1, 1 - 0.3 / height))
     fig.savefig(dst, dpi=110)
 
 

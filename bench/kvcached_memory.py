@@ -57,8 +57,8 @@ def point_at(kv, views):
 
 def loads_into_both(kv, host, n, mapped, twin):
     """load(target, i): every layer of the i-th rotating index set into `mapped` (the
-    pool's own views) or `twin`;
-    and check(): both hold a backed-up batch's bytes after loading it."""
+    pool's own views) when target is "pool", else into `twin`; and check(): whether both
+    hold a backed-up batch's bytes after each has loaded it."""
     import torch
     dev, host_backup, host_load = kv.index_sets(host, n)
 

@@ -478,7 +478,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
 
 def round_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, mode) in the order the children run: every other round reversed, so no
-    variant always runs first or last (the GPU warms up over a run)."""
+    variant always runs first or last, and none always after the same neighbour."""
     return [(r, m) for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
 
 

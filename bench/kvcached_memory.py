@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -147,13 +146,8 @@ def main():
         return
     import torch
     rows = []
-    for process in processes:
-        proc = subprocess.run([sys.executable, __file__, "--child", process, "--reps", str(args.reps),
-                               "--parts", args.parts], capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{process}: child failed")
-        rows += json.loads(proc.stdout.strip().splitlines()[-1])
+    for process in processes:   # a fresh process each: kvcached patches SGLang at import time
+        rows += tb.run_child(__file__, process, None, ["--reps", str(args.reps), "--parts", args.parts])
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, page_size=tb.PAGE,
                 kvcached_page_mb=os.environ.get("KVCACHED_PAGE_SIZE_MB", "4"))

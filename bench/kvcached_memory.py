@@ -14,6 +14,11 @@ SGLang's load of every layer (page_first host pool, random host pages) into one 
 other, alternating, --reps times per batch (GPU time of the kernels, torch.profiler).
 Each batch ends with a check that both targets hold the same rows after the same load,
 so the twin really was written.
+
+With --series S it asks when instead: per process and pool, 64-token loads back to back
+for S seconds from the pool's construction, alternating between the two memories, each
+with the seconds since the pool was built and the SM clock read after it (--processes
+may name a kind more than once, for more processes of it).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transfer_bench as tb  # noqa: E402
 
 TOKENS = [64, 256, 1024]
+SERIES_BATCH = 64
 # process kind -> transfer_bench mode; "native": SGLang's own pool in a process without kvcached
 PROCESSES = {"native": "native", "contiguous": "kvcached-contiguous", "per-layer": "kvcached-per-layer"}
 
@@ -98,17 +104,45 @@ def time_loads(kv, host, mapped, twin, reps: int) -> list[dict]:
     return cells
 
 
-def child(process: str, reps: int, parts: list[str]) -> list[dict]:
+def sm_clock_mhz():
+    """The GPU's SM clock now (NVML), or None where it cannot be read."""
+    import torch
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:   # no NVML binding: the series still has its times
+        return None
+
+
+def load_series(kv, host, mapped, twin, seconds: float, built: float) -> dict:
+    """SERIES_BATCH-token loads of every layer, alternating pool / twin, back to back until
+    `seconds` after `built` (time.monotonic() when the pool was constructed): per load, its
+    seconds since then, target, GPU microseconds and the SM clock after it; and the check."""
+    load, check = loads_into_both(kv, host, SERIES_BATCH, mapped, twin)
+    samples, i = [], 0
+    while time.monotonic() - built < seconds:
+        target = "pool" if i % 2 == 0 else "twin"
+        (profiled,) = tb.kernel_profile(lambda _: load(target, i), 1)
+        samples.append(dict(t_s=round(time.monotonic() - built, 3), target=target, gpu_us=profiled["kernel_us"],
+                            sm_mhz=sm_clock_mhz()))
+        i += 1
+    return dict(batch=SERIES_BATCH, samples=samples, both_loaded_the_bytes=check())
+
+
+def child(process: str, reps: int, parts: list[str], series: float = 0.0) -> list[dict]:
     import torch
     tb.import_sglang(PROCESSES[process])
     rows, gen = [], torch.Generator().manual_seed(0)
     for part in parts:
+        built = time.monotonic()
         kv = tb.KVBench(part, gen, max_tokens=max(TOKENS))
         mapped = list(kv.views)
         twin = torch_twin(mapped, rows_a_load_can_write(kv.pages))
         host = kv.host_pool("page_first")
-        rows += [dict(process=process, pool=part.upper(), direction="load", host_layout="page_first", **cell)
-                 for cell in time_loads(kv, host, mapped, twin, reps)]
+        where = dict(process=process, pool=part.upper(), direction="load", host_layout="page_first")
+        if series:
+            rows.append(dict(where, **load_series(kv, host, mapped, twin, series, built)))
+        else:
+            rows += [dict(where, **cell) for cell in time_loads(kv, host, mapped, twin, reps)]
         host.destroy()
         kv.release()
         del mapped, twin
@@ -130,30 +164,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def series_table(rows: list[dict], window_s: float = 2.0) -> str:
+    """Per process (in run order), pool and window of `window_s` seconds since the pool was
+    built: how many loads, the median GPU time into each memory, and the SM clock range."""
+    lines = ["| process | run | pool | seconds | loads | pool's memory us | torch twin us | SM MHz | bytes |",
+             "|---|---:|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        windows: dict[int, list[dict]] = {}
+        for s in r["samples"]:
+            windows.setdefault(int(s["t_s"] // window_s), []).append(s)
+        for w, samples in sorted(windows.items()):
+            us = {t: [s["gpu_us"] for s in samples if s["target"] == t] for t in ("pool", "twin")}
+            mhz = [s["sm_mhz"] for s in samples if s["sm_mhz"] is not None]
+            lines.append(f"| {r['process']} | {r['run']} | {r['pool']} | {w * window_s:g}-{(w + 1) * window_s:g} "
+                         f"| {len(samples)} | "
+                         + " | ".join(f"{statistics.median(us[t]):.1f}" if us[t] else "-" for t in ("pool", "twin"))
+                         + f" | {f'{min(mhz)}-{max(mhz)}' if mhz else '-'} "
+                         f"| {'same' if r['both_loaded_the_bytes'] else 'DIFFER'} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(tb.ROOT, "bench", "kvcached-memory.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", default="mha,mla", help="any of mha,mla")
-    ap.add_argument("--processes", default=",".join(PROCESSES), help=f"any of {','.join(PROCESSES)}")
+    ap.add_argument("--processes", default=",".join(PROCESSES),
+                    help=f"any of {','.join(PROCESSES)}, in run order, each as often as wanted")
+    ap.add_argument("--series", type=float, default=0.0,
+                    help="seconds of 64-token loads from each pool's construction, instead of the batches")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts, processes = args.parts.split(","), args.processes.split(",")
     if set(parts) - {"mha", "mla"} or set(processes) - set(PROCESSES):
         ap.error(f"--parts: mha,mla; --processes: {','.join(PROCESSES)}")
     if args.child:
-        json.dump(child(args.child, args.reps, parts), sys.stdout)
+        json.dump(child(args.child, args.reps, parts, args.series), sys.stdout)
         return
     import torch
     rows = []
-    for process in processes:   # a fresh process each: kvcached patches SGLang at import time
-        rows += tb.run_child(__file__, process, None, ["--reps", str(args.reps), "--parts", args.parts])
+    for run, process in enumerate(processes):   # a fresh process each: kvcached patches SGLang at import time
+        started = time.time()
+        rows += [dict(row, run=run, started=started) for row in tb.run_child(
+            __file__, process, None, ["--reps", str(args.reps), "--parts", args.parts, "--series", str(args.series)])]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                reps=args.reps, page_size=tb.PAGE,
+                reps=args.reps, series_s=args.series, page_size=tb.PAGE,
                 kvcached_page_mb=os.environ.get("KVCACHED_PAGE_SIZE_MB", "4"))
     with open(args.out, "w") as handle:
         json.dump({"meta": meta, "rows": rows}, handle, indent=1)
-    print(table(rows))
+    print(series_table(rows) if args.series else table(rows))
 
 
 if __name__ == "__main__":

@@ -328,3 +328,35 @@ def test_kvcached_memory_loads_reach_the_target_named_and_the_check_sees_both(mo
     load, check = kvcached_memory.loads_into_both(kv, host, 4, mapped, twin)
     twin[0].zero_()
     assert not check()
+
+
+def test_kvcached_memory_series_alternates_memories_until_its_seconds_are_up(monkeypatch):
+    # a clock that moves 0.5 s per reading: loads run until 2 s after the pool was built,
+    # each stamped with its time since then, the target it loaded into and its GPU time
+    now = iter(x * 0.5 for x in range(100))
+    monkeypatch.setattr(kvcached_memory.time, "monotonic", lambda: next(now))
+    loaded = []
+    monkeypatch.setattr(kvcached_memory, "loads_into_both",
+                        lambda kv, host, n, mapped, twin: (lambda target, i: loaded.append((n, target, i)),
+                                                           lambda: True))
+    monkeypatch.setattr(kvcached_memory.tb, "kernel_profile",
+                        lambda fn, reps: [fn(0) or {"kernel_us": 100.0 + len(loaded)}])
+    monkeypatch.setattr(kvcached_memory, "sm_clock_mhz", lambda: 1980)
+    built = kvcached_memory.time.monotonic()   # 0.0
+    series = kvcached_memory.load_series(None, None, [], [], seconds=2.0, built=built)
+    # readings: 0.5 (go), 1.0 (stamp), 1.5 (go), 2.0 (stamp), 2.5 (stop)
+    assert loaded == [(64, "pool", 0), (64, "twin", 1)]
+    assert [(s["t_s"], s["target"], s["gpu_us"], s["sm_mhz"]) for s in series["samples"]] == [
+        (1.0, "pool", 101.0, 1980), (2.0, "twin", 102.0, 1980)]
+    assert series["batch"] == 64 and series["both_loaded_the_bytes"]
+
+
+def test_kvcached_memory_series_table_gives_each_window_its_medians_and_clocks():
+    samples = [dict(t_s=0.5, target="pool", gpu_us=120.0, sm_mhz=1980),
+               dict(t_s=1.5, target="twin", gpu_us=118.0, sm_mhz=1755),
+               dict(t_s=1.9, target="pool", gpu_us=110.0, sm_mhz=1980),
+               dict(t_s=2.1, target="pool", gpu_us=100.0, sm_mhz=None)]
+    rows = [dict(process="per-layer", run=3, pool="MLA", samples=samples, both_loaded_the_bytes=True)]
+    lines = kvcached_memory.series_table(rows).splitlines()
+    assert lines[2:] == ["| per-layer | 3 | MLA | 0-2 | 3 | 115.0 | 118.0 | 1755-1980 | same |",
+                         "| per-layer | 3 | MLA | 2-4 | 1 | 100.0 | - | - | same |"]

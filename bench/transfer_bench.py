@@ -22,6 +22,11 @@ with CUDA events after warm-up (JIT compilation outside the timing), the median 
 large pinned<->device copy, the link's practical limit. Prints a table last and writes
 JSON; bench/plot.py draws it.
 
+--rounds N runs the variants N times in alternating order and tables each cell's median.
+With --interleave the children stay up, one per variant, and the parent asks them for one
+cell at a time: all rounds of all variants of a cell, then the next cell, so a cell's
+variants are timed seconds apart instead of one whole run after another.
+
 MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
 one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as
 SGLang serves EAGLE with a NextN draft: a backup copies all target and draft layers in
@@ -197,24 +202,39 @@ def token_sets(gen, total_pages, n_tokens, count=4, skip=1, runs=False):
     return sets
 
 
+def meta_row(mode: str, sglang) -> dict:
+    """Which SGLang tree a child imports, and what scripts/status says of it."""
+    return dict(mode=mode, pool="meta", sglang=os.path.dirname(sglang.__file__),
+                series_applied=series_applied(os.path.dirname(os.path.dirname(sglang.__file__))))
+
+
+def link_cells() -> list[tuple]:
+    """A large pinned <-> device copy each way, the link's practical limit: cells (row
+    fields, bytes, fn, profiled) whose fns keep the two buffers alive."""
+    import torch
+    nbytes = 1 << 30
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    fields = dict(mode="pinned-copy", pool="link", host_layout="-", batch=nbytes)
+    return [(dict(fields, direction="backup"), nbytes, lambda i: host.copy_(dev, non_blocking=True), False),
+            (dict(fields, direction="load"), nbytes, lambda i: dev.copy_(host, non_blocking=True), False)]
+
+
+def measure(cell, reps: int) -> dict:
+    """A cell's row: CUDA-event times, and the GPU time of its copies where `profiled`."""
+    fields, nbytes, fn, profiled = cell
+    if profiled:
+        return timed_op(nbytes, fn, reps, **fields)
+    return timed_row(nbytes, cuda_times(fn, reps), **fields)
+
+
 def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
           host_layouts: tuple[str, ...] = HOST_LAYOUTS) -> list[dict]:
     import torch
     sglang = import_sglang(mode)
-    rows, gen = [], torch.Generator().manual_seed(0)
-    rows.append(dict(mode=mode, pool="meta", sglang=os.path.dirname(sglang.__file__),
-                     series_applied=series_applied(os.path.dirname(os.path.dirname(sglang.__file__)))))
-
+    rows, gen = [meta_row(mode, sglang)], torch.Generator().manual_seed(0)
     if mode == "native" and "link" in parts:
-        nbytes = 1 << 30
-        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        rows.append(timed_row(nbytes, cuda_times(lambda i: host.copy_(dev, non_blocking=True), reps),
-                              mode="pinned-copy", pool="link", direction="backup", host_layout="-", batch=nbytes))
-        rows.append(timed_row(nbytes, cuda_times(lambda i: dev.copy_(host, non_blocking=True), reps),
-                              mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=nbytes))
-        del host, dev
-
+        rows += [measure(cell, reps) for cell in link_cells()]
     for part in [p for p in KV_PARTS if p in parts]:
         try:
             rows += kv_part(part, mode, reps, gen, host_pages, host_layouts)
@@ -224,6 +244,57 @@ def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
     if "mamba" in parts:
         rows += mamba_part(mode, reps, gen)
     return rows
+
+
+def cell_key(fields: dict) -> tuple:
+    """What names a cell between a --serve child and its parent (JSON keeps it as a list)."""
+    return (fields["pool"], fields["direction"], fields["host_layout"], fields["batch"])
+
+
+def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts: tuple[str, ...],
+          requests, reply) -> None:
+    """--interleave's child: build every part's pools and host pools once and keep them,
+    reply with its rows so far (meta, byte checks, errors) and the cells it can time, then
+    time each cell a request names, until the requests end."""
+    import torch
+    sglang = import_sglang(mode)
+    rows, cells, gen = [meta_row(mode, sglang)], [], torch.Generator().manual_seed(0)
+    if mode == "native" and "link" in parts:
+        cells += link_cells()
+    for part in [p for p in KV_PARTS if p in parts]:
+        kind, drafts, tokens, label = kv_part_shape(part)
+        try:
+            kv = KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
+            for layout in host_layouts:
+                layout_cells, check = kv_layout_cells(kv, kv.host_pool(layout), layout, tokens, drafts, mode, label,
+                                                      host_pages)
+                cells += layout_cells
+                rows.append(check())
+        except Exception as exc:  # the pool could not be built: the other parts still run
+            rows.append(dict(mode=mode, pool=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+            torch.cuda.empty_cache()
+    serve_requests({cell_key(c[0]): c for c in cells}, reps, rows, requests, reply)
+
+
+def reply_channel():
+    """reply(obj): one JSON line on the process's stdout, which from now on is the replies'
+    alone: whatever else the process prints (SGLang, kvcached) goes to its stderr."""
+    replies = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+    def reply(obj):
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+    return reply
+
+
+def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply) -> None:
+    """Reply with `rows` and the cells' keys, then with a measured row per request line
+    ({"cell": key}) until the requests end."""
+    reply(dict(rows=rows, cells=[list(key) for key in cells]))
+    for line in requests:
+        reply(measure(cells[tuple(json.loads(line)["cell"])], reps))
 
 
 class KVBench:
@@ -361,20 +432,29 @@ def kv_part_shape(part):
     return part, 0, TOKENS, part.upper()
 
 
+def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
+    """The cells of one host layout (a backup and a load per batch), and check(): the row
+    of a byte-exact load-back check through the same calls at 4096 tokens."""
+    cells, check = [], None
+    for n in tokens:
+        backup, load, batch_check = kv.calls(host, n, host_runs=host_pages == "runs")
+        nbytes = n * kv.row_bytes * (kv.layers + drafts)
+        fields = dict(mode=mode, pool=label, host_layout=layout, batch=n, host_pages=host_pages)
+        cells += [(dict(fields, direction="backup"), nbytes, backup, True),
+                  (dict(fields, direction="load"), nbytes, load, True)]
+        if n == 4096:  # the timed path must also be the right one
+            check = lambda fields=fields, batch_check=batch_check: dict(fields, byte_exact=batch_check())
+    return cells, check
+
+
 def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS):
     kind, drafts, tokens, label = kv_part_shape(part)
     rows, kv = [], KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
     for layout in host_layouts:
         host = kv.host_pool(layout)
-        for n in tokens:
-            backup, load, check = kv.calls(host, n, host_runs=host_pages == "runs")
-            nbytes = n * kv.row_bytes * (kv.layers + drafts)
-            for direction, fn in (("backup", backup), ("load", load)):
-                rows.append(timed_op(nbytes, fn, reps, mode=mode, pool=label, direction=direction,
-                                     host_layout=layout, batch=n, host_pages=host_pages))
-            if n == 4096:  # the timed path must also be the right one
-                rows.append(dict(mode=mode, pool=label, host_layout=layout, batch=n, host_pages=host_pages,
-                                 byte_exact=check()))
+        cells, check = kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages)
+        rows += [measure(cell, reps) for cell in cells]
+        rows.append(check())
         host.destroy()
     kv.release()
     return rows
@@ -428,18 +508,85 @@ def mamba_part(mode, reps, gen):
     return rows
 
 
+def child_env(mode: str, native_sglang: str | None) -> dict:
+    """The environment of a child: the native variant imports the pristine tree when one
+    is given."""
+    env = dict(os.environ)
+    if mode == "native" and native_sglang:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [native_sglang, env.get("PYTHONPATH")]))
+    return env
+
+
 def run_child(script: str, mode: str, native_sglang: str | None, args: list[str]) -> list[dict]:
     """Run `script --child mode args` in a fresh process (kvcached patches at import time);
     the native variant imports the pristine tree when one is given. Returns its rows."""
-    started, env = time.time(), dict(os.environ)
-    if mode == "native" and native_sglang:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [native_sglang, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, script, "--child", mode, *args], capture_output=True, text=True, env=env)
+    started = time.time()
+    proc = subprocess.run([sys.executable, script, "--child", mode, *args], capture_output=True, text=True,
+                          env=child_env(mode, native_sglang))
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"{mode}: benchmark child failed")
     print(f"{mode}: {time.time() - started:.0f} s", file=sys.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class ServingChild:
+    """A `--child mode --serve` process: its variant's pools built once, a cell timed per
+    request (serve). Its stderr goes to a file, shown if it fails."""
+
+    def __init__(self, script: str, mode: str, native_sglang: str | None, args: list[str]):
+        self.mode, self.log = mode, tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, script, "--child", mode, "--serve", *args], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env=child_env(mode, native_sglang))
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            print(self.log.read()[-4000:], file=sys.stderr)
+            raise SystemExit(f"{self.mode}: benchmark child failed (exit {self.proc.returncode})")
+        return json.loads(line)
+
+    def ask(self, cell: tuple) -> dict:
+        self.proc.stdin.write(json.dumps({"cell": list(cell)}) + "\n")
+        self.proc.stdin.flush()
+        return self.receive()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()   # the end of its requests: it exits
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: None) -> list[dict]:
+    """--interleave: a serving child per variant (start(mode)), started one after another
+    so that each builds its pools and compiles its kernels alone; then, cell by cell, the
+    cell's rounds, each round every variant that has the cell, in round_order. A cell's
+    variants are timed seconds apart, so a slower stretch of the machine meets them alike,
+    where whole-run children leave minutes between them. save(rows) after every cell."""
+    children, offered, cells, rows = {}, {}, [], []
+    try:
+        for mode in modes:
+            children[mode] = start(mode)
+            hello = children[mode].receive()
+            rows += hello["rows"]
+            offered[mode] = [tuple(c) for c in hello["cells"]]
+            cells += [c for c in offered[mode] if c not in cells]
+        for cell in cells:
+            having = [m for m in modes if cell in offered[m]]
+            rows += [dict(children[mode].ask(cell), round=round_) for round_, mode in round_order(having, rounds)]
+            save(rows)
+    finally:
+        for child_ in children.values():
+            child_.close()
+    return rows
 
 
 VARIANTS = ("native", "patched-dense", "kvcached-contiguous", "kvcached-per-layer")
@@ -550,7 +697,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variants this many times, alternating their order (native first, then "
                          "last), and table the median of each cell over the rounds")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep a child per variant running and time each cell in every variant and round "
+                         "before the next cell, instead of one variant's whole run after another (KV parts "
+                         "and link only)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - {"link", *KV_PARTS, "mamba"})
@@ -561,20 +713,34 @@ def main():
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
+    if args.interleave and "mamba" in parts:
+        ap.error("--interleave: KV parts and link only (the Mamba part runs in whole-run children)")
+    if args.child and args.serve:
+        serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel())
+        return
     if args.child:
         json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts), sys.stdout)
         return
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                reps=args.reps, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds)
-    rows = []
-    for round_, mode in round_order(args.modes.split(","), args.rounds):
-        child_rows = run_child(__file__, mode, args.native_sglang, ["--reps", str(args.reps), "--parts", args.parts,
-                                                                    "--host-pages", args.host_pages,
-                                                                    "--host-layouts", args.host_layouts])
-        rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
-        with open(args.out, "w") as handle:  # after every variant: a cut-short run keeps what it measured
+                reps=args.reps, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
+                interleave=args.interleave)
+    child_args = ["--reps", str(args.reps), "--parts", args.parts, "--host-pages", args.host_pages,
+                  "--host-layouts", args.host_layouts]
+
+    def save(rows):   # as it goes: a cut-short run keeps what it measured
+        with open(args.out, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
+    if args.interleave:
+        rows = interleaved_rows(args.modes.split(","), args.rounds,
+                                lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args), save)
+    else:
+        rows = []
+        for round_, mode in round_order(args.modes.split(","), args.rounds):
+            child_rows = run_child(__file__, mode, args.native_sglang, child_args)
+            rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
+            save(rows)
+    save(rows)
     print(table(rows))
 
 

@@ -360,3 +360,126 @@ def test_kvcached_memory_series_table_gives_each_window_its_medians_and_clocks()
     lines = kvcached_memory.series_table(rows).splitlines()
     assert lines[2:] == ["| per-layer | 3 | MLA | 0-2 | 3 | 115.0 | 118.0 | 1755-1980 | same |",
                          "| per-layer | 3 | MLA | 2-4 | 1 | 100.0 | - | - | same |"]
+
+
+class FakeServingChild:
+    """A serving child that offers `cells` and answers each ask with the cell and mode."""
+
+    def __init__(self, mode, cells, events):
+        self.mode, self.cells, self.events = mode, cells, events
+        events.append(("start", mode))
+
+    def receive(self):
+        self.events.append(("hello", self.mode))
+        return dict(rows=[dict(mode=self.mode, pool="meta")], cells=[list(c) for c in self.cells])
+
+    def ask(self, cell):
+        self.events.append(("ask", self.mode, cell))
+        if cell == ("MLA", "load", "page_first", 64) and self.mode == "broken":
+            raise SystemExit("broken: benchmark child failed")
+        return dict(mode=self.mode, pool=cell[0], direction=cell[1], host_layout=cell[2], batch=cell[3])
+
+    def close(self):
+        self.events.append(("close", self.mode))
+
+
+LINK = ("link", "backup", "-", 1 << 30)
+A, B = ("MHA", "load", "page_first", 64), ("MLA", "load", "page_first", 64)
+
+
+def test_interleave_times_each_cell_in_all_rounds_and_variants_before_the_next():
+    events, saved = [], []
+    offers = {"native": [LINK, A, B], "patched-dense": [A, B], "kvcached-contiguous": [A]}
+    rows = transfer_bench.interleaved_rows(list(offers), 2, lambda m: FakeServingChild(m, offers[m], events),
+                                           save=lambda rows: saved.append(len(rows)))
+    # started one after another, each set up (hello) before the next starts
+    assert events[:6] == [("start", "native"), ("hello", "native"), ("start", "patched-dense"),
+                          ("hello", "patched-dense"), ("start", "kvcached-contiguous"),
+                          ("hello", "kvcached-contiguous")]
+    asks = [(e[1], e[2]) for e in events if e[0] == "ask"]
+    assert asks == [("native", LINK), ("native", LINK),
+                    ("native", A), ("patched-dense", A), ("kvcached-contiguous", A),
+                    ("kvcached-contiguous", A), ("patched-dense", A), ("native", A),
+                    ("native", B), ("patched-dense", B), ("patched-dense", B), ("native", B)]
+    timed = [r for r in rows if r["pool"] != "meta"]
+    assert [(r["mode"], r["round"]) for r in timed[2:8]] == [
+        ("native", 0), ("patched-dense", 0), ("kvcached-contiguous", 0),
+        ("kvcached-contiguous", 1), ("patched-dense", 1), ("native", 1)]
+    assert [r["mode"] for r in rows if r["pool"] == "meta"] == list(offers)
+    assert saved == [5, 11, 15] and sorted(e[1] for e in events if e[0] == "close") == sorted(offers)
+
+
+def test_interleave_closes_every_child_when_one_fails():
+    events = []
+    offers = {"native": [A, B], "broken": [A, B]}
+    with pytest.raises(SystemExit, match="broken"):
+        transfer_bench.interleaved_rows(list(offers), 1, lambda m: FakeServingChild(m, offers[m], events))
+    assert sorted(e[1] for e in events if e[0] == "close") == ["broken", "native"]
+
+
+def test_serving_child_replies_with_its_cells_then_one_row_per_request(monkeypatch):
+    import io
+    cells = {("MHA", "load", "page_first", 64): "cell-a", ("link", "load", "-", 1 << 30): "cell-b"}
+    monkeypatch.setattr(transfer_bench, "measure", lambda cell, reps: {"measured": cell, "reps": reps})
+    replies = []
+    requests = io.StringIO(json.dumps({"cell": ["link", "load", "-", 1 << 30]}) + "\n"
+                           + json.dumps({"cell": ["MHA", "load", "page_first", 64]}) + "\n")
+    transfer_bench.serve_requests(cells, 7, [{"mode": "native", "pool": "meta"}], requests, replies.append)
+    assert replies == [dict(rows=[{"mode": "native", "pool": "meta"}],
+                            cells=[["MHA", "load", "page_first", 64], ["link", "load", "-", 1 << 30]]),
+                       {"measured": "cell-b", "reps": 7}, {"measured": "cell-a", "reps": 7}]
+
+
+def test_layout_cells_time_both_directions_per_batch_and_check_at_4096():
+    class KV:
+        row_bytes, layers = 10, 3
+
+        def calls(self, host, n, host_runs):
+            assert host == "host" and host_runs
+            return f"backup{n}", f"load{n}", lambda: n == 4096
+
+    cells, check = transfer_bench.kv_layout_cells(KV(), "host", "page_first", [64, 4096], 1, "native", "MHA+MTP",
+                                                  "runs")
+    assert [(c[0]["direction"], c[0]["batch"], c[1], c[2], c[3]) for c in cells] == [
+        ("backup", 64, 64 * 10 * 4, "backup64", True), ("load", 64, 64 * 10 * 4, "load64", True),
+        ("backup", 4096, 4096 * 40, "backup4096", True), ("load", 4096, 4096 * 40, "load4096", True)]
+    assert cells[0][0] == dict(mode="native", pool="MHA+MTP", host_layout="page_first", batch=64,
+                               host_pages="runs", direction="backup")
+    assert check() == dict(mode="native", pool="MHA+MTP", host_layout="page_first", batch=4096,
+                           host_pages="runs", byte_exact=True)
+
+
+def test_reply_channel_keeps_stdout_for_replies_and_sends_other_prints_to_stderr():
+    import subprocess
+    code = ("import sys; sys.path.insert(0, 'bench'); import transfer_bench as tb; reply = tb.reply_channel(); "
+            "print('from sglang'); reply({'rows': []}); print('more'); reply({'batch': 64})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ['{"rows": []}', '{"batch": 64}']
+    assert "from sglang" in proc.stderr and "more" in proc.stderr
+
+
+def test_serving_child_talks_to_its_process_and_shows_its_log_when_it_dies(tmp_path, capsys):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, sys\n"
+        "assert sys.argv[1:4] == ['--child', 'native', '--serve'], sys.argv\n"
+        "print('setting up', file=sys.stderr)\n"
+        "print(json.dumps({'rows': [], 'cells': [['MHA', 'load', 'page_first', 64]]}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    cell = json.loads(line)['cell']\n"
+        "    if cell[3] == 0:\n"
+        "        sys.exit('no such batch')\n"
+        "    print(json.dumps({'batch': cell[3]}), flush=True)\n")
+    child = transfer_bench.ServingChild(str(script), "native", None, [])
+    assert child.receive()["cells"] == [["MHA", "load", "page_first", 64]]
+    assert child.ask(("MHA", "load", "page_first", 64)) == {"batch": 64}
+    with pytest.raises(SystemExit, match="native: benchmark child failed"):
+        child.ask(("MHA", "load", "page_first", 0))
+    assert "no such batch" in capsys.readouterr().err
+    child.close()
+    ok = transfer_bench.ServingChild(str(script), "native", None, [])
+    ok.receive()
+    ok.close()
+    assert ok.proc.returncode == 0

@@ -124,13 +124,13 @@ def kernel_profile(fn, reps):
     return per_rep
 
 
-def timed_op(nbytes, fn, reps, **fields):
+def timed_op(nbytes, fn, reps, profiles=3, **fields):
     """timed_row for fn: CUDA-event times (after warm-up), then the median GPU time of
-    three profiled runs (what the copies take from the GPU, without the host's share),
+    `profiles` profiled runs (what the copies take from the GPU, without the host's share),
     summed over kernels and copies, and (span_us) from the first start to the last end,
     which counts work on two streams at once only once."""
     times = cuda_times(fn, reps)
-    profiled = kernel_profile(fn, 3)
+    profiled = kernel_profile(fn, profiles)
     kernel_us = statistics.median(p["kernel_us"] for p in profiled)
     return timed_row(nbytes, times, kernel_us=kernel_us, span_us=statistics.median(p["span_us"] for p in profiled),
                      **fields)
@@ -220,16 +220,16 @@ def link_cells() -> list[tuple]:
             (dict(fields, direction="load"), nbytes, lambda i: dev.copy_(host, non_blocking=True), False)]
 
 
-def measure(cell, reps: int) -> dict:
+def measure(cell, reps: int, profiles: int = 3) -> dict:
     """A cell's row: CUDA-event times, and the GPU time of its copies where `profiled`."""
     fields, nbytes, fn, profiled = cell
     if profiled:
-        return timed_op(nbytes, fn, reps, **fields)
+        return timed_op(nbytes, fn, reps, profiles, **fields)
     return timed_row(nbytes, cuda_times(fn, reps), **fields)
 
 
 def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
-          host_layouts: tuple[str, ...] = HOST_LAYOUTS) -> list[dict]:
+          host_layouts: tuple[str, ...] = HOST_LAYOUTS, profiles: int = 3) -> list[dict]:
     import torch
     sglang = import_sglang(mode)
     rows, gen = [meta_row(mode, sglang)], torch.Generator().manual_seed(0)
@@ -237,7 +237,7 @@ def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
         rows += [measure(cell, reps) for cell in link_cells()]
     for part in [p for p in KV_PARTS if p in parts]:
         try:
-            rows += kv_part(part, mode, reps, gen, host_pages, host_layouts)
+            rows += kv_part(part, mode, reps, gen, host_pages, host_layouts, profiles)
         except Exception as exc:  # the pool could not be built: the other parts still run
             rows.append(dict(mode=mode, pool=kv_part_shape(part)[3], error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
@@ -252,7 +252,7 @@ def cell_key(fields: dict) -> tuple:
 
 
 def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts: tuple[str, ...],
-          requests, reply) -> None:
+          requests, reply, profiles: int = 3) -> None:
     """--interleave's child: build every part's pools and host pools once and keep them,
     reply with its rows so far (meta, byte checks, errors) and the cells it can time, then
     time each cell a request names, until the requests end."""
@@ -273,7 +273,7 @@ def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts:
         except Exception as exc:  # the pool could not be built: the other parts still run
             rows.append(dict(mode=mode, pool=label, error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
-    serve_requests({cell_key(c[0]): c for c in cells}, reps, rows, requests, reply)
+    serve_requests({cell_key(c[0]): c for c in cells}, reps, rows, requests, reply, profiles)
 
 
 def reply_channel():
@@ -289,12 +289,12 @@ def reply_channel():
     return reply
 
 
-def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply) -> None:
+def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply, profiles: int = 3) -> None:
     """Reply with `rows` and the cells' keys, then with a measured row per request line
     ({"cell": key}) until the requests end."""
     reply(dict(rows=rows, cells=[list(key) for key in cells]))
     for line in requests:
-        reply(measure(cells[tuple(json.loads(line)["cell"])], reps))
+        reply(measure(cells[tuple(json.loads(line)["cell"])], reps, profiles))
 
 
 class KVBench:
@@ -447,13 +447,13 @@ def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
     return cells, check
 
 
-def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS):
+def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS, profiles=3):
     kind, drafts, tokens, label = kv_part_shape(part)
     rows, kv = [], KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
     for layout in host_layouts:
         host = kv.host_pool(layout)
         cells, check = kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages)
-        rows += [measure(cell, reps) for cell in cells]
+        rows += [measure(cell, reps, profiles) for cell in cells]
         rows.append(check())
         host.destroy()
     kv.release()
@@ -686,6 +686,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profiles", type=int, default=3,
+                    help="profiled runs per KV cell, whose median GPU time the table's bracketed ratios use")
     ap.add_argument("--parts", default="link,mha,mla,mamba",
                     help=f"any of link,{','.join(KV_PARTS)},mamba (mtp-*: target + one packed MTP draft)")
     ap.add_argument("--modes", default=",".join(VARIANTS), help=f"any of {','.join(MODES)}")
@@ -711,22 +713,22 @@ def main():
     host_layouts = tuple(args.host_layouts.split(","))
     if set(host_layouts) - set(HOST_LAYOUTS):
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
-    if args.rounds < 1:
-        ap.error("--rounds: at least 1")
+    if args.rounds < 1 or args.profiles < 1:
+        ap.error("--rounds, --profiles: at least 1")
     if args.interleave and "mamba" in parts:
         ap.error("--interleave: KV parts and link only (the Mamba part runs in whole-run children)")
     if args.child and args.serve:
-        serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel())
+        serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel(), args.profiles)
         return
     if args.child:
-        json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts), sys.stdout)
+        json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts, args.profiles), sys.stdout)
         return
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                reps=args.reps, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
+                reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
                 interleave=args.interleave)
-    child_args = ["--reps", str(args.reps), "--parts", args.parts, "--host-pages", args.host_pages,
-                  "--host-layouts", args.host_layouts]
+    child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
+                  "--host-pages", args.host_pages, "--host-layouts", args.host_layouts]
 
     def save(rows):   # as it goes: a cut-short run keeps what it measured
         with open(args.out, "w") as handle:

@@ -420,14 +420,16 @@ def test_interleave_closes_every_child_when_one_fails():
 def test_serving_child_replies_with_its_cells_then_one_row_per_request(monkeypatch):
     import io
     cells = {("MHA", "load", "page_first", 64): "cell-a", ("link", "load", "-", 1 << 30): "cell-b"}
-    monkeypatch.setattr(transfer_bench, "measure", lambda cell, reps: {"measured": cell, "reps": reps})
+    monkeypatch.setattr(transfer_bench, "measure",
+                        lambda cell, reps, profiles: {"measured": cell, "reps": reps, "profiles": profiles})
     replies = []
     requests = io.StringIO(json.dumps({"cell": ["link", "load", "-", 1 << 30]}) + "\n"
                            + json.dumps({"cell": ["MHA", "load", "page_first", 64]}) + "\n")
-    transfer_bench.serve_requests(cells, 7, [{"mode": "native", "pool": "meta"}], requests, replies.append)
+    transfer_bench.serve_requests(cells, 7, [{"mode": "native", "pool": "meta"}], requests, replies.append, 5)
     assert replies == [dict(rows=[{"mode": "native", "pool": "meta"}],
                             cells=[["MHA", "load", "page_first", 64], ["link", "load", "-", 1 << 30]]),
-                       {"measured": "cell-b", "reps": 7}, {"measured": "cell-a", "reps": 7}]
+                       {"measured": "cell-b", "reps": 7, "profiles": 5},
+                       {"measured": "cell-a", "reps": 7, "profiles": 5}]
 
 
 def test_layout_cells_time_both_directions_per_batch_and_check_at_4096():
@@ -483,3 +485,20 @@ def test_serving_child_talks_to_its_process_and_shows_its_log_when_it_dies(tmp_p
     ok.receive()
     ok.close()
     assert ok.proc.returncode == 0
+
+
+def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_asked(monkeypatch):
+    monkeypatch.setattr(transfer_bench, "cuda_times", lambda fn, reps: [0.001] * reps)
+    asked = []
+
+    def kernel_profile(fn, runs):
+        asked.append(runs)
+        return [dict(kernel_us=float(10 * (i + 1)), span_us=1.0) for i in range(runs)]
+    monkeypatch.setattr(transfer_bench, "kernel_profile", kernel_profile)
+    cell = (dict(mode="native", pool="MHA", direction="load", host_layout="page_first", batch=64), 1000,
+            lambda i: None, True)
+    assert transfer_bench.measure(cell, 4, 5)["kernel_us"] == 30.0 and asked == [5]
+    assert transfer_bench.measure(cell, 4)["kernel_us"] == 20.0 and asked == [5, 3]
+    link = (dict(mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=1 << 30), 1 << 30,
+            lambda i: None, False)
+    assert "kernel_us" not in transfer_bench.measure(link, 4, 5) and asked == [5, 3]

@@ -297,6 +297,50 @@ def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply, pr
         reply(measure(cells[tuple(json.loads(line)["cell"])], reps, profiles))
 
 
+def pool_pages(max_tokens: int) -> tuple[int, int]:
+    """(pages a KVBench pool hands out, the pool's size in tokens) for batches of up to
+    max_tokens: a few pages more, and 64 more still, which kvcached keeps back."""
+    n_pages = max_tokens // PAGE + 8
+    return n_pages, (n_pages + 64) * PAGE
+
+
+def kv_model(kind: str):
+    """The model shape a KV part's pool has (mha: Qwen2.5-7B, mla: DeepSeek-V2-Lite) and the
+    bytes a token has in one layer (K and V for MHA)."""
+    from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
+    if kind == "mha":
+        return QWEN25_7B, QWEN25_7B.kv_heads * QWEN25_7B.head_dim * 2 * 2
+    return DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE.kv_dim * 2
+
+
+def host_pool_bytes(part: str) -> int:
+    """Bytes of one host pool of a KV part: SGLang sizes it as the device pool plus a page."""
+    kind, drafts, tokens, _ = kv_part_shape(part)
+    model, row_bytes = kv_model(kind)
+    return (pool_pages(max(tokens))[1] + PAGE) * row_bytes * (model.layers + drafts)
+
+
+HUGEPAGE_KB = {"2MB": 2048, "1GB": 1048576}   # SGLANG_HUGEPAGE_SIZE's values
+
+
+def free_hugepage_bytes(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> int:
+    """Bytes of free huge pages of SGLANG_HUGEPAGE_SIZE `size` (0 where none are reserved)."""
+    kb = HUGEPAGE_KB[size]
+    try:
+        with open(os.path.join(sysfs, f"hugepages-{kb}kB", "free_hugepages")) as handle:
+            return int(handle.read()) * kb * 1024
+    except FileNotFoundError:
+        return 0
+
+
+def hugepages_needed(parts: list[str], host_layouts, children_at_once: int, size: str) -> int:
+    """Huge pages of `size` the host pools take at most: every part's pool in every host
+    layout, in as many children as are up at once (rounded up to whole pages)."""
+    page = HUGEPAGE_KB[size] * 1024
+    per_child = sum(-(-host_pool_bytes(p) // page) for p in parts if p in KV_PARTS) * len(host_layouts)
+    return per_child * children_at_once
+
+
 class KVBench:
     """A device KV pool of one model shape, filled with random rows, and what times it.
 
@@ -313,19 +357,13 @@ class KVBench:
         from sglang.srt.mem_cache import memory_pool as mp
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-        from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
         if interleave and drafts:
             raise ValueError("torch-interleaved pools have no MTP draft variant")
         bf = torch.bfloat16
         self.gen, self.part = gen, part
-        n_pages = max_tokens // PAGE + 8
-        size = (n_pages + 64) * PAGE  # kvcached keeps a few blocks back
-        if part == "mha":
-            s, self.host_cls = QWEN25_7B, MHATokenToKVPoolHost
-            self.row_bytes = s.kv_heads * s.head_dim * 2 * 2  # K and V
-        else:
-            s, self.host_cls = DEEPSEEK_V2_LITE, MLATokenToKVPoolHost
-            self.row_bytes = s.kv_dim * 2
+        n_pages, size = pool_pages(max_tokens)
+        s, self.row_bytes = kv_model(part)
+        self.host_cls = MHATokenToKVPoolHost if part == "mha" else MLATokenToKVPoolHost
         self.layers = s.layers
         group = contextlib.nullcontext
         if part == "mla" and hasattr(mp, "ElasticMLATokenToKVPool"):  # kvcached's: one group per pool
@@ -443,7 +481,8 @@ def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
         cells += [(dict(fields, direction="backup"), nbytes, backup, True),
                   (dict(fields, direction="load"), nbytes, load, True)]
         if n == 4096:  # the timed path must also be the right one
-            check = lambda fields=fields, batch_check=batch_check: dict(fields, byte_exact=batch_check())
+            def check(fields=fields, batch_check=batch_check):
+                return dict(fields, byte_exact=batch_check())
     return cells, check
 
 
@@ -565,12 +604,14 @@ class ServingChild:
         self.log.close()
 
 
-def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: None) -> list[dict]:
+def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: None,
+                     on_ready=lambda: None) -> list[dict]:
     """--interleave: a serving child per variant (start(mode)), started one after another
     so that each builds its pools and compiles its kernels alone; then, cell by cell, the
     cell's rounds, each round every variant that has the cell, in round_order. A cell's
     variants are timed seconds apart, so a slower stretch of the machine meets them alike,
-    where whole-run children leave minutes between them. save(rows) after every cell."""
+    where whole-run children leave minutes between them. on_ready() once every child is
+    set up, save(rows) after every cell."""
     children, offered, cells, rows = {}, {}, [], []
     try:
         for mode in modes:
@@ -579,6 +620,7 @@ def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: Non
             rows += hello["rows"]
             offered[mode] = [tuple(c) for c in hello["cells"]]
             cells += [c for c in offered[mode] if c not in cells]
+        on_ready()
         for cell in cells:
             having = [m for m in modes if cell in offered[m]]
             rows += [dict(children[mode].ask(cell), round=round_) for round_, mode in round_order(having, rounds)]
@@ -703,6 +745,9 @@ def main():
                     help="keep a child per variant running and time each cell in every variant and round "
                          "before the next cell, instead of one variant's whole run after another (KV parts "
                          "and link only)")
+    ap.add_argument("--host-hugepages", choices=sorted(HUGEPAGE_KB),
+                    help="host pools in huge pages of this size (SGLang's SGLANG_HUGEPAGE_SIZE); they must "
+                         "be reserved first")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -723,10 +768,22 @@ def main():
     if args.child:
         json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts, args.profiles), sys.stdout)
         return
+    modes = args.modes.split(",")
+
+    def free_hugepages():
+        return free_hugepage_bytes(args.host_hugepages) // (HUGEPAGE_KB[args.host_hugepages] << 10)
+    if args.host_hugepages:
+        need = hugepages_needed(parts, host_layouts, len(modes) if args.interleave else 1, args.host_hugepages)
+        if free_hugepages() < need:
+            ap.error(f"--host-hugepages {args.host_hugepages}: the host pools need {need} free huge pages, "
+                     f"{free_hugepages()} are; reserve them first, as root: echo {need} > /sys/kernel/mm/hugepages/"
+                     f"hugepages-{HUGEPAGE_KB[args.host_hugepages]}kB/nr_hugepages")
+        os.environ["SGLANG_HUGEPAGE_SIZE"] = args.host_hugepages   # what the children's host pools use
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
-                interleave=args.interleave)
+                interleave=args.interleave, host_hugepages=args.host_hugepages,
+                **({"free_hugepages_before": free_hugepages()} if args.host_hugepages else {}))
     child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
                   "--host-pages", args.host_pages, "--host-layouts", args.host_layouts]
 
@@ -734,11 +791,15 @@ def main():
         with open(args.out, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     if args.interleave:
-        rows = interleaved_rows(args.modes.split(","), args.rounds,
-                                lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args), save)
+        def on_ready():   # the host pools of every child are up: the huge pages they hold
+            if args.host_hugepages:
+                meta["free_hugepages_with_children_up"] = free_hugepages()
+        rows = interleaved_rows(modes, args.rounds,
+                                lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args), save,
+                                on_ready)
     else:
         rows = []
-        for round_, mode in round_order(args.modes.split(","), args.rounds):
+        for round_, mode in round_order(modes, args.rounds):
             child_rows = run_child(__file__, mode, args.native_sglang, child_args)
             rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
             save(rows)

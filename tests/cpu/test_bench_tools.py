@@ -391,11 +391,12 @@ def test_interleave_times_each_cell_in_all_rounds_and_variants_before_the_next()
     events, saved = [], []
     offers = {"native": [LINK, A, B], "patched-dense": [A, B], "kvcached-contiguous": [A]}
     rows = transfer_bench.interleaved_rows(list(offers), 2, lambda m: FakeServingChild(m, offers[m], events),
-                                           save=lambda rows: saved.append(len(rows)))
-    # started one after another, each set up (hello) before the next starts
-    assert events[:6] == [("start", "native"), ("hello", "native"), ("start", "patched-dense"),
+                                           save=lambda rows: saved.append(len(rows)),
+                                           on_ready=lambda: events.append(("ready",)))
+    # started one after another, each set up (hello) before the next starts; then ready
+    assert events[:7] == [("start", "native"), ("hello", "native"), ("start", "patched-dense"),
                           ("hello", "patched-dense"), ("start", "kvcached-contiguous"),
-                          ("hello", "kvcached-contiguous")]
+                          ("hello", "kvcached-contiguous"), ("ready",)]
     asks = [(e[1], e[2]) for e in events if e[0] == "ask"]
     assert asks == [("native", LINK), ("native", LINK),
                     ("native", A), ("patched-dense", A), ("kvcached-contiguous", A),
@@ -502,3 +503,51 @@ def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_a
     link = (dict(mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=1 << 30), 1 << 30,
             lambda i: None, False)
     assert "kernel_us" not in transfer_bench.measure(link, 4, 5) and asked == [5, 3]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_host_pool_bytes_is_what_sglangs_host_pool_allocates(host_modules, monkeypatch, kind):
+    # a small model and batch in place of Qwen2.5-7B / DeepSeek-V2-Lite at 64k tokens: the
+    # bytes the benchmark reserves huge pages for must be those SGLang's host pool takes
+    from types import SimpleNamespace
+
+    from tests.support.kvcached_views import mha_pool, mla_pool
+    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
+    row_bytes = 2 * 64 * 2 * 2 if kind == "mha" else (96 + 32) * 2
+    monkeypatch.setattr(transfer_bench, "kv_model", lambda k: (SimpleNamespace(layers=3), row_bytes))
+    size = transfer_bench.pool_pages(128)[1]
+    if kind == "mha":
+        pool = mha_pool("native", size=size, page_size=64, layers=3, heads=2, head_dim=64)
+        host = host_modules.mha.MHATokenToKVPoolHost(pool, 1.0, 0, 64, "page_first", pin_memory=False, device="cpu")
+    else:
+        pool = mla_pool("native", size=size, page_size=64, layers=3, kv_lora_rank=96, qk_rope_head_dim=32)
+        host = host_modules.mla.MLATokenToKVPoolHost(pool, 1.0, 0, 64, "page_first", pin_memory=False, device="cpu")
+    assert transfer_bench.host_pool_bytes(kind) == host.kv_buffer.numel() * host.kv_buffer.element_size()
+
+
+def test_hugepages_needed_counts_whole_pages_per_pool_layout_and_child(monkeypatch):
+    sizes = {"mha": 5 << 20, "mla": (4 << 20) + 1}
+    monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part: sizes[part])
+    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first",), 1, "2MB") == 3 + 3
+    assert transfer_bench.hugepages_needed(["mha", "mla"], ("page_first", "layer_first"), 4, "2MB") == 6 * 2 * 4
+    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), 2, "1GB") == 2
+
+
+def test_free_hugepages_are_read_per_size_and_none_where_not_reserved(tmp_path):
+    (tmp_path / "hugepages-2048kB").mkdir()
+    (tmp_path / "hugepages-2048kB" / "free_hugepages").write_text("12\n")
+    assert transfer_bench.free_hugepage_bytes("2MB", str(tmp_path)) == 12 * (2 << 20)
+    assert transfer_bench.free_hugepage_bytes("1GB", str(tmp_path)) == 0
+
+
+def test_too_few_huge_pages_is_refused_with_how_to_reserve_them(tmp_path):
+    import subprocess
+    if transfer_bench.free_hugepage_bytes("1GB") >= 4 << 30:
+        pytest.skip("this machine has 1 GB huge pages reserved")
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "bench/transfer_bench.py", "--parts", "mha", "--host-hugepages", "1GB",
+                           "--host-layouts", "page_first", "--out", str(out)],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2 and not out.exists()
+    assert "the host pools need 4 free huge pages" in proc.stderr
+    assert "echo 4 > /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages" in proc.stderr

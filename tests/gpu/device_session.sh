@@ -12,6 +12,7 @@
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
 #              at spaces, no quotes, no file-name globbing)
+# HUGEPAGES_2MB=N first reserves N huge pages of 2 MiB (as root), for bench --host-hugepages 2MB.
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
@@ -27,6 +28,10 @@ if [ ! -d "$pristine/sglang" ]; then
   python3 scripts/status "$pristine" > /dev/null || python3 scripts/reverse "$pristine" > /dev/null 2>&1 || true
 fi
 python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2>&1
+if [ -n "${HUGEPAGES_2MB:-}" ]; then
+  echo "$HUGEPAGES_2MB" > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
+  grep -i huge /proc/meminfo > "$out/hugepages.txt" 2>&1
+fi
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has unpatched; then
   PYTHONPATH=$pristine:$PYTHONPATH GPU_TRIPS=${UNPATCHED_TRIPS:-10} GPU_RESULTS=$out/unpatched.jsonl \

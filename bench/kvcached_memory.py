@@ -130,15 +130,16 @@ def load_series(kv, host, mapped, twin, seconds: float, built: float) -> dict:
 
 def child(process: str, reps: int, parts: list[str], series: float = 0.0) -> list[dict]:
     import torch
-    tb.import_sglang(PROCESSES[process])
+    sglang = tb.import_sglang(PROCESSES[process])
     rows, gen = [], torch.Generator().manual_seed(0)
+    tree = os.path.dirname(sglang.__file__) if sglang else None
     for part in parts:
         built = time.monotonic()
         kv = tb.KVBench(part, gen, max_tokens=max(TOKENS))
         mapped = list(kv.views)
         twin = torch_twin(mapped, rows_a_load_can_write(kv.pages))
         host = kv.host_pool("page_first")
-        where = dict(process=process, pool=part.upper(), direction="load", host_layout="page_first")
+        where = dict(process=process, pool=part.upper(), direction="load", host_layout="page_first", sglang=tree)
         if series:
             rows.append(dict(where, **load_series(kv, host, mapped, twin, series, built)))
         else:
@@ -164,15 +165,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def series_table(rows: list[dict], window_s: float = 2.0) -> str:
+def series_table(rows: list[dict], seconds: float, window_s: float = 2.0) -> str:
     """Per process (in run order), pool and window of `window_s` seconds since the pool was
-    built: how many loads, the median GPU time into each memory, and the SM clock range."""
+    built: how many loads, the median GPU time into each memory, and the SM clock range.
+    Loads that ended after the series' `seconds` are left out (a last window would hold one
+    or two); a pool whose setup took all of them says so."""
     lines = ["| process | run | pool | seconds | loads | pool's memory us | torch twin us | SM MHz | bytes |",
              "|---|---:|---|---|---:|---:|---:|---|---|"]
     for r in rows:
         windows: dict[int, list[dict]] = {}
         for s in r["samples"]:
-            windows.setdefault(int(s["t_s"] // window_s), []).append(s)
+            if s["t_s"] <= seconds:
+                windows.setdefault(int(s["t_s"] // window_s), []).append(s)
+        if not windows:
+            lines.append(f"| {r['process']} | {r['run']} | {r['pool']} | 0-{seconds:g} | 0 | - | - | - "
+                         f"| no load within {seconds:g} s of the pool's construction |")
         for w, samples in sorted(windows.items()):
             us = {t: [s["gpu_us"] for s in samples if s["target"] == t] for t in ("pool", "twin")}
             mhz = [s["sm_mhz"] for s in samples if s["sm_mhz"] is not None]
@@ -212,7 +219,7 @@ def main():
                 kvcached_page_mb=os.environ.get("KVCACHED_PAGE_SIZE_MB", "4"))
     with open(args.out, "w") as handle:
         json.dump({"meta": meta, "rows": rows}, handle, indent=1)
-    print(series_table(rows) if args.series else table(rows))
+    print(series_table(rows, args.series) if args.series else table(rows))
 
 
 if __name__ == "__main__":

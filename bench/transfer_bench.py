@@ -23,8 +23,8 @@ large pinned<->device copy, the link's practical limit. Prints a table last and 
 JSON; bench/plot.py draws it.
 
 --rounds N runs the variants N times in alternating order and tables each cell's median.
-With --interleave the children stay up, one per variant, and the parent asks them for one
-cell at a time: all rounds of all variants of a cell, then the next cell, so a cell's
+With --cell-by-cell the children stay up, one per variant, and the parent asks them for
+one cell at a time: all rounds of all variants of a cell, then the next cell, so a cell's
 variants are timed seconds apart instead of one whole run after another.
 
 MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -253,12 +254,12 @@ def cell_key(fields: dict) -> tuple:
 
 def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts: tuple[str, ...],
           requests, reply, profiles: int = 3) -> None:
-    """--interleave's child: build every part's pools and host pools once and keep them,
-    reply with its rows so far (meta, byte checks, errors) and the cells it can time, then
-    time each cell a request names, until the requests end."""
+    """--cell-by-cell's child: build every part's pools and host pools once and keep them,
+    check each pool's bytes, reply with its rows so far (meta, byte checks, errors) and the
+    cells it can time, then serve requests (serve_requests)."""
     import torch
     sglang = import_sglang(mode)
-    rows, cells, gen = [meta_row(mode, sglang)], [], torch.Generator().manual_seed(0)
+    rows, cells, checks, gen = [meta_row(mode, sglang)], [], [], torch.Generator().manual_seed(0)
     if mode == "native" and "link" in parts:
         cells += link_cells()
     for part in [p for p in KV_PARTS if p in parts]:
@@ -269,19 +270,20 @@ def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts:
                 layout_cells, check = kv_layout_cells(kv, kv.host_pool(layout), layout, tokens, drafts, mode, label,
                                                       host_pages)
                 cells += layout_cells
+                checks.append(check)
                 rows.append(check())
         except Exception as exc:  # the pool could not be built: the other parts still run
             rows.append(dict(mode=mode, pool=label, error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
-    serve_requests({cell_key(c[0]): c for c in cells}, reps, rows, requests, reply, profiles)
+    serve_requests({cell_key(c[0]): c for c in cells}, reps, rows, requests, reply, profiles, checks)
 
 
 def reply_channel():
     """reply(obj): one JSON line on the process's stdout, which from now on is the replies'
     alone: whatever else the process prints (SGLang, kvcached) goes to its stderr."""
     replies = os.fdopen(os.dup(1), "w")
-    sys.stdout.flush()
     os.dup2(2, 1)
+    sys.stdout.flush()   # what was printed before goes to stderr too
 
     def reply(obj):
         replies.write(json.dumps(obj) + "\n")
@@ -289,12 +291,18 @@ def reply_channel():
     return reply
 
 
-def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply, profiles: int = 3) -> None:
-    """Reply with `rows` and the cells' keys, then with a measured row per request line
-    ({"cell": key}) until the requests end."""
+def serve_requests(cells: dict, reps: int, rows: list[dict], requests, reply, profiles: int = 3,
+                   checks=()) -> None:
+    """Reply with `rows` and the cells' keys, then per request line: a measured row for
+    {"cell": key}; for {"finish": true} the byte checks again (every pool is built by then:
+    a kvcached pool built later could take over an earlier one's memory) and stop."""
     reply(dict(rows=rows, cells=[list(key) for key in cells]))
     for line in requests:
-        reply(measure(cells[tuple(json.loads(line)["cell"])], reps, profiles))
+        request = json.loads(line)
+        if request.get("finish"):
+            reply(dict(rows=[check() for check in checks]))
+            return
+        reply(measure(cells[tuple(request["cell"])], reps, profiles))
 
 
 def pool_pages(max_tokens: int) -> tuple[int, int]:
@@ -323,22 +331,36 @@ def host_pool_bytes(part: str) -> int:
 HUGEPAGE_KB = {"2MB": 2048, "1GB": 1048576}   # SGLANG_HUGEPAGE_SIZE's values
 
 
+def hugepage_counts(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> dict:
+    """The kernel's counts of huge pages of SGLANG_HUGEPAGE_SIZE `size` (nr_hugepages,
+    free_hugepages, resv_hugepages; all 0 where the size has none)."""
+    folder = os.path.join(sysfs, f"hugepages-{HUGEPAGE_KB[size]}kB")
+    counts = {}
+    for name in ("nr_hugepages", "free_hugepages", "resv_hugepages"):
+        try:
+            with open(os.path.join(folder, name)) as handle:
+                counts[name] = int(handle.read())
+        except FileNotFoundError:
+            counts[name] = 0
+    return counts
+
+
 def free_hugepage_bytes(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> int:
-    """Bytes of free huge pages of SGLANG_HUGEPAGE_SIZE `size` (0 where none are reserved)."""
-    kb = HUGEPAGE_KB[size]
-    try:
-        with open(os.path.join(sysfs, f"hugepages-{kb}kB", "free_hugepages")) as handle:
-            return int(handle.read()) * kb * 1024
-    except FileNotFoundError:
-        return 0
+    """Bytes of huge pages of `size` free for a new mapping: free ones less those other
+    mappings have reserved and not yet touched."""
+    counts = hugepage_counts(size, sysfs)
+    return (counts["free_hugepages"] - counts["resv_hugepages"]) * HUGEPAGE_KB[size] * 1024
 
 
-def hugepages_needed(parts: list[str], host_layouts, children_at_once: int, size: str) -> int:
-    """Huge pages of `size` the host pools take at most: every part's pool in every host
-    layout, in as many children as are up at once (rounded up to whole pages)."""
+def hugepages_needed(parts: list[str], host_layouts, size: str, serving_children: int = 0) -> int:
+    """Huge pages of `size` the host pools take at most, in whole pages: a whole-run child
+    holds one host pool at a time (kv_part frees each before the next); a serving child
+    keeps every part's pool in every host layout, and all of them are up at once."""
     page = HUGEPAGE_KB[size] * 1024
-    per_child = sum(-(-host_pool_bytes(p) // page) for p in parts if p in KV_PARTS) * len(host_layouts)
-    return per_child * children_at_once
+    pools = [-(-host_pool_bytes(p) // page) for p in parts if p in KV_PARTS]
+    if not serving_children:
+        return max(pools, default=0)
+    return sum(pools) * len(host_layouts) * serving_children
 
 
 class KVBench:
@@ -425,8 +447,16 @@ class KVBench:
         torch.cuda.empty_cache()
 
     def host_pool(self, layout: str):
-        return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
+        """SGLang's host pool over this pool. Under SGLANG_HUGEPAGE_SIZE it also says how
+        many bytes of huge pages it took (hugepage_bytes): SGLang falls back to small pages
+        when too few are free."""
+        size = os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip().upper()
+        before = free_hugepage_bytes(size) if size in HUGEPAGE_KB else None
+        host = self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
                              mtp_draft_device_pools=self.drafts)
+        if before is not None:
+            host.hugepage_bytes = before - free_hugepage_bytes(size)
+        return host
 
     def index_sets(self, host, n_tokens: int, host_runs: bool = False):
         """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each;
@@ -482,8 +512,17 @@ def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
                   (dict(fields, direction="load"), nbytes, load, True)]
         if n == 4096:  # the timed path must also be the right one
             def check(fields=fields, batch_check=batch_check):
-                return dict(fields, byte_exact=batch_check())
+                return dict(fields, byte_exact=batch_check(), **host_memory(host))
     return cells, check
+
+
+def host_memory(host) -> dict:
+    """A host pool's bytes and how many of them are in huge pages, where it was asked to use
+    them (KVBench.host_pool)."""
+    if getattr(host, "hugepage_bytes", None) is None:
+        return {}
+    return dict(host_bytes=host.kv_buffer.numel() * host.kv_buffer.element_size(),
+                hugepage_bytes=host.hugepage_bytes)
 
 
 def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS, profiles=3):
@@ -571,27 +610,46 @@ def run_child(script: str, mode: str, native_sglang: str | None, args: list[str]
 
 class ServingChild:
     """A `--child mode --serve` process: its variant's pools built once, a cell timed per
-    request (serve). Its stderr goes to a file, shown if it fails."""
+    request (serve). Its stderr goes to a file, shown if it fails or falls silent."""
+
+    # One reply is one cell of one variant (seconds), or a child's setup: its pools and
+    # their kernels' first compilation (minutes). Past this a child is taken as hung.
+    REPLY_TIMEOUT_S = 1200
 
     def __init__(self, script: str, mode: str, native_sglang: str | None, args: list[str]):
-        self.mode, self.log = mode, tempfile.TemporaryFile("w+")
+        self.mode, self.log = mode, tempfile.TemporaryFile("w+b")
         self.proc = subprocess.Popen([sys.executable, script, "--child", mode, "--serve", *args], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env=child_env(mode, native_sglang))
 
-    def receive(self) -> dict:
-        line = self.proc.stdout.readline()
+    def receive(self, timeout: float | None = None) -> dict:
+        # One reply per request, so nothing waits in the pipe's buffer between them and
+        # select() on the pipe tells whether a reply came.
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout or self.REPLY_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
         if not line:
+            silent = self.proc.poll() is None
+            if silent:
+                self.proc.kill()
             self.proc.wait()
             self.log.seek(0)
-            print(self.log.read()[-4000:], file=sys.stderr)
-            raise SystemExit(f"{self.mode}: benchmark child failed (exit {self.proc.returncode})")
+            print(self.log.read()[-4000:].decode(errors="replace"), file=sys.stderr)
+            raise SystemExit(f"{self.mode}: benchmark child "
+                             + (f"sent nothing in {timeout or self.REPLY_TIMEOUT_S} s" if silent else
+                                f"failed (exit {self.proc.returncode})"))
         return json.loads(line)
 
-    def ask(self, cell: tuple) -> dict:
-        self.proc.stdin.write(json.dumps({"cell": list(cell)}) + "\n")
+    def request(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self.receive()
+
+    def ask(self, cell: tuple) -> dict:
+        return self.request({"cell": list(cell)})
+
+    def finish(self) -> list[dict]:
+        """Its pools' byte checks again, after every cell."""
+        return self.request({"finish": True})["rows"]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -601,17 +659,18 @@ class ServingChild:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.proc.stdout.close()
         self.log.close()
 
 
-def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: None,
-                     on_ready=lambda: None) -> list[dict]:
-    """--interleave: a serving child per variant (start(mode)), started one after another
+def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: None,
+                      on_ready=lambda: None) -> list[dict]:
+    """--cell-by-cell: a serving child per variant (start(mode)), started one after another
     so that each builds its pools and compiles its kernels alone; then, cell by cell, the
     cell's rounds, each round every variant that has the cell, in round_order. A cell's
     variants are timed seconds apart, so a slower stretch of the machine meets them alike,
-    where whole-run children leave minutes between them. on_ready() once every child is
-    set up, save(rows) after every cell."""
+    where whole-run children leave minutes between them; at the end every child checks its
+    pools' bytes again. on_ready() once every child is set up, save(rows) after every cell."""
     children, offered, cells, rows = {}, {}, [], []
     try:
         for mode in modes:
@@ -625,6 +684,8 @@ def interleaved_rows(modes: list[str], rounds: int, start, save=lambda rows: Non
             having = [m for m in modes if cell in offered[m]]
             rows += [dict(children[mode].ask(cell), round=round_) for round_, mode in round_order(having, rounds)]
             save(rows)
+        for mode in modes:
+            rows += children[mode].finish()
     finally:
         for child_ in children.values():
             child_.close()
@@ -715,6 +776,11 @@ def table(rows: list[dict]) -> str:
     bad = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in checks if not r["byte_exact"]]
     lines.append(f"byte-exact load-back checks: {len(checks) - len(bad)} of {len(checks)} pass"
                  + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    asked = [r for r in checks if "hugepage_bytes" in r]   # --host-hugepages runs
+    if asked:
+        short = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in asked if r["hugepage_bytes"] < r["host_bytes"]]
+        lines.append(f"host pools in huge pages: {len(asked) - len(short)} of {len(asked)}"
+                     + (f"; in small pages: {', '.join(short)}" if short else ""))
     lines += [f"tree: {t}" for t in trees]
     rounds = sorted({r["rounds"] for r in rows if "rounds" in r})
     if rounds:   # fewer for a cell that a cut-short run left out of its last rounds
@@ -741,7 +807,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variants this many times, alternating their order (native first, then "
                          "last), and table the median of each cell over the rounds")
-    ap.add_argument("--interleave", action="store_true",
+    ap.add_argument("--cell-by-cell", action="store_true",
                     help="keep a child per variant running and time each cell in every variant and round "
                          "before the next cell, instead of one variant's whole run after another (KV parts "
                          "and link only)")
@@ -760,8 +826,12 @@ def main():
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
     if args.rounds < 1 or args.profiles < 1:
         ap.error("--rounds, --profiles: at least 1")
-    if args.interleave and "mamba" in parts:
-        ap.error("--interleave: KV parts and link only (the Mamba part runs in whole-run children)")
+    if (args.cell_by_cell or args.host_hugepages) and "mamba" in parts:
+        ap.error("--cell-by-cell, --host-hugepages: KV parts and link only (the Mamba part runs in whole-run "
+                 "children, over host pools of its own)")
+    if os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip() and not args.host_hugepages and not args.child:
+        ap.error(f"SGLANG_HUGEPAGE_SIZE={os.environ['SGLANG_HUGEPAGE_SIZE']} is set: pass --host-hugepages instead, "
+                 "so that the run checks the pages and records them")
     if args.child and args.serve:
         serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel(), args.profiles)
         return
@@ -773,16 +843,17 @@ def main():
     def free_hugepages():
         return free_hugepage_bytes(args.host_hugepages) // (HUGEPAGE_KB[args.host_hugepages] << 10)
     if args.host_hugepages:
-        need = hugepages_needed(parts, host_layouts, len(modes) if args.interleave else 1, args.host_hugepages)
+        need = hugepages_needed(parts, host_layouts, args.host_hugepages, len(modes) if args.cell_by_cell else 0)
         if free_hugepages() < need:
+            total = hugepage_counts(args.host_hugepages)["nr_hugepages"] + need - free_hugepages()
             ap.error(f"--host-hugepages {args.host_hugepages}: the host pools need {need} free huge pages, "
-                     f"{free_hugepages()} are; reserve them first, as root: echo {need} > /sys/kernel/mm/hugepages/"
+                     f"{free_hugepages()} are; reserve them first, as root: echo {total} > /sys/kernel/mm/hugepages/"
                      f"hugepages-{HUGEPAGE_KB[args.host_hugepages]}kB/nr_hugepages")
         os.environ["SGLANG_HUGEPAGE_SIZE"] = args.host_hugepages   # what the children's host pools use
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
-                interleave=args.interleave, host_hugepages=args.host_hugepages,
+                cell_by_cell=args.cell_by_cell, host_hugepages=args.host_hugepages,
                 **({"free_hugepages_before": free_hugepages()} if args.host_hugepages else {}))
     child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
                   "--host-pages", args.host_pages, "--host-layouts", args.host_layouts]
@@ -790,11 +861,11 @@ def main():
     def save(rows):   # as it goes: a cut-short run keeps what it measured
         with open(args.out, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
-    if args.interleave:
+    if args.cell_by_cell:
         def on_ready():   # the host pools of every child are up: the huge pages they hold
             if args.host_hugepages:
                 meta["free_hugepages_with_children_up"] = free_hugepages()
-        rows = interleaved_rows(modes, args.rounds,
+        rows = cell_by_cell_rows(modes, args.rounds,
                                 lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args), save,
                                 on_ready)
     else:

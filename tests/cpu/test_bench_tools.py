@@ -6,8 +6,10 @@ unrolls that profile_transfers.force_unroll() imposes; both must say what ran.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,7 +359,7 @@ def test_kvcached_memory_series_table_gives_each_window_its_medians_and_clocks()
                dict(t_s=1.9, target="pool", gpu_us=110.0, sm_mhz=1980),
                dict(t_s=2.1, target="pool", gpu_us=100.0, sm_mhz=None)]
     rows = [dict(process="per-layer", run=3, pool="MLA", samples=samples, both_loaded_the_bytes=True)]
-    lines = kvcached_memory.series_table(rows).splitlines()
+    lines = kvcached_memory.series_table(rows, 12.0).splitlines()
     assert lines[2:] == ["| per-layer | 3 | MLA | 0-2 | 3 | 115.0 | 118.0 | 1755-1980 | same |",
                          "| per-layer | 3 | MLA | 2-4 | 1 | 100.0 | - | - | same |"]
 
@@ -379,6 +381,10 @@ class FakeServingChild:
             raise SystemExit("broken: benchmark child failed")
         return dict(mode=self.mode, pool=cell[0], direction=cell[1], host_layout=cell[2], batch=cell[3])
 
+    def finish(self):
+        self.events.append(("finish", self.mode))
+        return [dict(mode=self.mode, pool="MHA", byte_exact=True, after="every cell")]
+
     def close(self):
         self.events.append(("close", self.mode))
 
@@ -387,10 +393,10 @@ LINK = ("link", "backup", "-", 1 << 30)
 A, B = ("MHA", "load", "page_first", 64), ("MLA", "load", "page_first", 64)
 
 
-def test_interleave_times_each_cell_in_all_rounds_and_variants_before_the_next():
+def test_cell_by_cell_times_each_cell_in_all_rounds_and_variants_before_the_next():
     events, saved = [], []
     offers = {"native": [LINK, A, B], "patched-dense": [A, B], "kvcached-contiguous": [A]}
-    rows = transfer_bench.interleaved_rows(list(offers), 2, lambda m: FakeServingChild(m, offers[m], events),
+    rows = transfer_bench.cell_by_cell_rows(list(offers), 2, lambda m: FakeServingChild(m, offers[m], events),
                                            save=lambda rows: saved.append(len(rows)),
                                            on_ready=lambda: events.append(("ready",)))
     # started one after another, each set up (hello) before the next starts; then ready
@@ -408,13 +414,17 @@ def test_interleave_times_each_cell_in_all_rounds_and_variants_before_the_next()
         ("kvcached-contiguous", 1), ("patched-dense", 1), ("native", 1)]
     assert [r["mode"] for r in rows if r["pool"] == "meta"] == list(offers)
     assert saved == [5, 11, 15] and sorted(e[1] for e in events if e[0] == "close") == sorted(offers)
+    # after the last cell every child checks its pools again, and those rows are kept
+    last_ask = max(i for i, e in enumerate(events) if e[0] == "ask")
+    assert [e for e in events[last_ask + 1:] if e[0] == "finish"] == [("finish", m) for m in offers]
+    assert [r["mode"] for r in rows if r.get("after") == "every cell"] == list(offers)
 
 
-def test_interleave_closes_every_child_when_one_fails():
+def test_cell_by_cell_closes_every_child_when_one_fails():
     events = []
     offers = {"native": [A, B], "broken": [A, B]}
     with pytest.raises(SystemExit, match="broken"):
-        transfer_bench.interleaved_rows(list(offers), 1, lambda m: FakeServingChild(m, offers[m], events))
+        transfer_bench.cell_by_cell_rows(list(offers), 1, lambda m: FakeServingChild(m, offers[m], events))
     assert sorted(e[1] for e in events if e[0] == "close") == ["broken", "native"]
 
 
@@ -526,28 +536,363 @@ def test_host_pool_bytes_is_what_sglangs_host_pool_allocates(host_modules, monke
 
 
 def test_hugepages_needed_counts_whole_pages_per_pool_layout_and_child(monkeypatch):
-    sizes = {"mha": 5 << 20, "mla": (4 << 20) + 1}
+    sizes = {"mha": 5 << 20, "mla": (6 << 20) + 1}
     monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part: sizes[part])
-    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first",), 1, "2MB") == 3 + 3
-    assert transfer_bench.hugepages_needed(["mha", "mla"], ("page_first", "layer_first"), 4, "2MB") == 6 * 2 * 4
-    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), 2, "1GB") == 2
+    # a whole-run child holds one host pool at a time: the largest
+    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first", "layer_first"), "2MB") == 4
+    # serving children hold every part's pool in every layout, all at once
+    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first",), "2MB", 1) == 3 + 4
+    assert transfer_bench.hugepages_needed(["mha", "mla"], ("page_first", "layer_first"), "2MB", 4) == 7 * 2 * 4
+    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), "1GB", 2) == 2
 
 
-def test_free_hugepages_are_read_per_size_and_none_where_not_reserved(tmp_path):
+def test_free_hugepages_are_read_per_size_less_those_reserved_and_none_where_not_reserved(tmp_path):
     (tmp_path / "hugepages-2048kB").mkdir()
-    (tmp_path / "hugepages-2048kB" / "free_hugepages").write_text("12\n")
-    assert transfer_bench.free_hugepage_bytes("2MB", str(tmp_path)) == 12 * (2 << 20)
+    for name, n in (("nr_hugepages", 20), ("free_hugepages", 12), ("resv_hugepages", 5)):
+        (tmp_path / "hugepages-2048kB" / name).write_text(f"{n}\n")
+    assert transfer_bench.free_hugepage_bytes("2MB", str(tmp_path)) == 7 * (2 << 20)
+    assert transfer_bench.hugepage_counts("2MB", str(tmp_path)) == dict(nr_hugepages=20, free_hugepages=12,
+                                                                        resv_hugepages=5)
     assert transfer_bench.free_hugepage_bytes("1GB", str(tmp_path)) == 0
 
 
-def test_too_few_huge_pages_is_refused_with_how_to_reserve_them(tmp_path):
+def test_too_few_huge_pages_is_refused_with_how_many_to_reserve(monkeypatch, tmp_path, capsys):
+    need = transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB")
+    with pytest.raises(SystemExit) as exc:
+        run_main(monkeypatch, tmp_path, "--parts", "mha", "--host-layouts", "page_first", "--host-hugepages", "2MB",
+                 counts=dict(nr_hugepages=10, free_hugepages=3, resv_hugepages=1))
+    assert exc.value.code == 2 and not (tmp_path / "r.json").exists()
+    # 2 of the 10 are free for a new mapping: the pool's total must grow by what is missing
+    message = capsys.readouterr().err
+    assert f"the host pools need {need} free huge pages, 2 are" in message
+    assert f"echo {10 + need - 2} > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages" in message
+
+
+
+# --- which tree each child imports, and the real reply channel in a child ---------------
+
+def test_only_the_native_child_imports_the_pristine_tree_and_before_the_patched_one(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "patched")
+    assert transfer_bench.child_env("native", "pristine")["PYTHONPATH"] == os.pathsep.join(["pristine", "patched"])
+    assert transfer_bench.child_env("kvcached-contiguous", "pristine")["PYTHONPATH"] == "patched"
+    assert transfer_bench.child_env("native", None)["PYTHONPATH"] == "patched"
+
+
+def test_serving_child_runs_in_its_variants_environment(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import json, os\n"
+                      "print(json.dumps({'rows': [{'path': os.environ.get('PYTHONPATH')}], 'cells': []}), flush=True)\n")
+    child = transfer_bench.ServingChild(str(script), "native", "/pristine", [])
+    assert child.receive()["rows"][0]["path"].split(os.pathsep)[0] == "/pristine"
+    child.close()
+
+
+def test_a_serving_child_that_falls_silent_is_stopped_and_its_log_shown(tmp_path, capsys):
+    script = tmp_path / "child.py"
+    script.write_text("import sys, time\nprint('building pools', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    child = transfer_bench.ServingChild(str(script), "kvcached-per-layer", None, [])
+    with pytest.raises(SystemExit, match="kvcached-per-layer: benchmark child sent nothing in 1 s"):
+        child.receive(timeout=1)
+    assert child.proc.returncode is not None and "building pools" in capsys.readouterr().err
+    child.close()
+
+
+def test_a_reply_reaches_the_parent_while_the_child_still_runs():
+    import select
     import subprocess
-    if transfer_bench.free_hugepage_bytes("1GB") >= 4 << 30:
-        pytest.skip("this machine has 1 GB huge pages reserved")
-    out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "bench/transfer_bench.py", "--parts", "mha", "--host-hugepages", "1GB",
-                           "--host-layouts", "page_first", "--out", str(out)],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 2 and not out.exists()
-    assert "the host pools need 4 free huge pages" in proc.stderr
-    assert "echo 4 > /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages" in proc.stderr
+    code = ("import sys; sys.path.insert(0, 'bench'); import transfer_bench as tb; "
+            "reply = tb.reply_channel(); tb.measure = lambda cell, reps, profiles: {'cell': cell}; "
+            "tb.serve_requests({('MHA', 'load', 'page_first', 64): 'a'}, 1, [], sys.stdin, reply)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "no hello while the child waits for requests"
+        assert json.loads(proc.stdout.readline())["cells"] == [["MHA", "load", "page_first", 64]]
+        proc.stdin.write(json.dumps({"cell": ["MHA", "load", "page_first", 64]}) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready and json.loads(proc.stdout.readline()) == {"cell": "a"}
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=20)
+
+
+def test_the_byte_check_is_the_4096_token_batchs_even_when_larger_batches_follow():
+    class KV:
+        row_bytes, layers = 10, 3
+
+        def calls(self, host, n, host_runs):
+            return f"backup{n}", f"load{n}", lambda: n == 4096
+
+    _, check = transfer_bench.kv_layout_cells(KV(), "host", "page_first", [64, 4096, 16384], 0, "native", "MHA",
+                                              "random")
+    assert check() == dict(mode="native", pool="MHA", host_layout="page_first", batch=4096, host_pages="random",
+                           byte_exact=True)
+
+
+# --- serve(): cells of every layout, named apart; checks at setup and at the end ---------
+
+class FakeKVBench:
+    row_bytes, layers = 10, 2
+    checked = []
+
+    def __init__(self, kind, gen, max_tokens, drafts=0):
+        self.kind = kind
+
+    def host_pool(self, layout):
+        return layout
+
+    def calls(self, host, n, host_runs):
+        return (lambda i: None), (lambda i: None), (lambda: FakeKVBench.checked.append((self.kind, host)) or True)
+
+
+@pytest.fixture
+def fake_serving(monkeypatch):
+    monkeypatch.setattr(transfer_bench, "import_sglang", lambda mode: None)
+    monkeypatch.setattr(transfer_bench, "meta_row", lambda mode, sglang: dict(mode=mode, pool="meta"))
+    monkeypatch.setattr(transfer_bench, "KVBench", FakeKVBench)
+    monkeypatch.setattr(FakeKVBench, "checked", [])
+    monkeypatch.setattr(transfer_bench, "TOKENS", [64, 4096])
+    link = dict(mode="pinned-copy", pool="link", host_layout="-", batch=1 << 30)
+    monkeypatch.setattr(transfer_bench, "link_cells", lambda: [(dict(link, direction="load"), 1 << 30, None, False)])
+    monkeypatch.setattr(transfer_bench, "measure", lambda cell, reps, profiles: dict(cell[0], profiles=profiles))
+
+
+def test_serve_offers_every_layouts_cells_and_checks_every_pool_at_setup_and_at_the_end(fake_serving):
+    replies = []
+    requests = [json.dumps({"cell": ["MHA", "load", "layer_first", 4096]}), json.dumps({"finish": True}),
+                json.dumps({"cell": ["MHA", "load", "page_first", 64]})]   # after finish: not served
+    transfer_bench.serve("native", 2, ["link", "mha"], "runs", ("layer_first", "page_first"), requests,
+                         replies.append, 5)
+    hello = replies[0]
+    assert len(hello["cells"]) == 1 + 2 * 2 * 2 and len({tuple(c) for c in hello["cells"]}) == len(hello["cells"])
+    assert [(r["host_layout"], r["byte_exact"]) for r in hello["rows"] if "byte_exact" in r] == [
+        ("layer_first", True), ("page_first", True)]
+    assert replies[1] == dict(mode="native", pool="MHA", host_layout="layer_first", batch=4096, host_pages="runs",
+                              direction="load", profiles=5)
+    assert [(r["host_layout"], r["byte_exact"]) for r in replies[2]["rows"]] == [
+        ("layer_first", True), ("page_first", True)]
+    assert len(replies) == 3 and FakeKVBench.checked == [("mha", "layer_first"), ("mha", "page_first")] * 2
+
+
+def test_only_the_native_serving_child_offers_the_link(fake_serving):
+    replies = []
+    transfer_bench.serve("kvcached-contiguous", 2, ["link", "mha"], "runs", ("page_first",), [], replies.append)
+    assert replies[0]["cells"] and all(c[0] != "link" for c in replies[0]["cells"])
+
+
+def test_whole_run_children_profile_each_kv_cell_as_often_as_asked(fake_serving, monkeypatch):
+    monkeypatch.setattr(FakeKVBench, "release", lambda self: None, raising=False)
+    monkeypatch.setattr(FakeKVBench, "host_pool", lambda self, layout: SimpleNamespace(destroy=lambda: None))
+    rows = transfer_bench.child("native", 2, ["mha"], "random", ("page_first",), profiles=9)
+    timed = [r for r in rows if "direction" in r]
+    assert len(timed) == 4 and {r["profiles"] for r in timed} == {9}
+
+
+# --- main(): what it hands its children, and the huge-page checks ------------------------
+
+def run_main(monkeypatch, tmp_path, *argv, counts=None):
+    """transfer_bench.main() with its children, the GPU and the kernel's huge-page counts faked;
+    returns (mode, args, SGLANG_HUGEPAGE_SIZE) per child started."""
+    counts = counts or dict(nr_hugepages=10**6, free_hugepages=10**6, resv_hugepages=0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(transfer_bench, "hugepage_counts", lambda size, sysfs=None: dict(counts))
+    monkeypatch.setattr(transfer_bench, "table", lambda rows: "")
+    seen = []
+
+    def run_child(script, mode, native, args):
+        seen.append((mode, args, os.environ.get("SGLANG_HUGEPAGE_SIZE")))
+        return [dict(mode=mode, pool="meta")]
+
+    class Child:
+        def __init__(self, script, mode, native, args):
+            seen.append((mode, args, os.environ.get("SGLANG_HUGEPAGE_SIZE")))
+
+        def receive(self):
+            return dict(rows=[], cells=[])
+
+        def finish(self):
+            return []
+
+        def close(self):
+            pass
+    monkeypatch.setattr(transfer_bench, "run_child", run_child)
+    monkeypatch.setattr(transfer_bench, "ServingChild", Child)
+    monkeypatch.setattr(sys, "argv", ["transfer_bench.py", "--out", str(tmp_path / "r.json"), *argv])
+    transfer_bench.main()
+    return seen
+
+
+@pytest.fixture
+def no_hugepage_env(monkeypatch):
+    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE", raising=False)   # and main()'s setting undone after
+
+
+def test_main_hands_profiles_and_huge_pages_to_every_child(monkeypatch, tmp_path, no_hugepage_env):
+    seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,patched-dense", "--profiles", "7",
+                    "--host-hugepages", "2MB")
+    assert [m for m, _, _ in seen] == ["native", "patched-dense"]
+    for _, args, hugepages in seen:
+        assert args[args.index("--profiles") + 1] == "7" and hugepages == "2MB"
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["host_hugepages"] == "2MB" and meta["free_hugepages_before"] == 10**6
+
+
+def test_serving_children_are_all_counted_and_exactly_enough_pages_do(monkeypatch, tmp_path, no_hugepage_env):
+    one = transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB", 1)
+    argv = ("--parts", "mha", "--host-layouts", "page_first", "--modes", "native,patched-dense", "--cell-by-cell",
+            "--host-hugepages", "2MB")
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, tmp_path, *argv, counts=dict(nr_hugepages=2 * one, free_hugepages=2 * one - 1,
+                                                           resv_hugepages=0))
+    enough = dict(nr_hugepages=2 * one + 3, free_hugepages=2 * one + 3, resv_hugepages=3)
+    assert len(run_main(monkeypatch, tmp_path, *argv, counts=enough)) == 2
+
+
+@pytest.mark.parametrize("argv", [("--profiles", "0"), ("--cell-by-cell", "--parts", "mha,mamba"),
+                                  ("--host-hugepages", "2MB", "--parts", "mha,mamba")])
+def test_main_refuses_what_it_cannot_run(monkeypatch, tmp_path, no_hugepage_env, argv):
+    with pytest.raises(SystemExit) as exc:
+        run_main(monkeypatch, tmp_path, *argv)
+    assert exc.value.code == 2 and not (tmp_path / "r.json").exists()
+
+
+def test_main_refuses_huge_pages_it_was_not_asked_for(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2MB")
+    with pytest.raises(SystemExit) as exc:
+        run_main(monkeypatch, tmp_path, "--parts", "mha")
+    assert exc.value.code == 2 and "pass --host-hugepages instead" in capsys.readouterr().err
+
+
+def test_host_pools_say_how_much_of_them_is_in_huge_pages_and_the_table_names_those_that_are_not(monkeypatch):
+    frees = iter([100 << 21, 60 << 21])
+    monkeypatch.setattr(transfer_bench, "free_hugepage_bytes", lambda size, sysfs=None: next(frees))
+    kv = transfer_bench.KVBench.__new__(transfer_bench.KVBench)   # its host pool only
+    kv.pool, kv.drafts = None, []
+    kv.host_cls = lambda *a, **k: SimpleNamespace(
+        kv_buffer=SimpleNamespace(numel=lambda: 40 << 20, element_size=lambda: 2))
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2mb")
+    host = kv.host_pool("page_first")
+    assert transfer_bench.host_memory(host) == dict(host_bytes=80 << 20, hugepage_bytes=80 << 20)
+    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE")
+    assert transfer_bench.host_memory(kv.host_pool("page_first")) == {}
+    check = dict(pool="MHA", host_layout="page_first", batch=4096, byte_exact=True, host_bytes=80 << 20)
+    rows = [dict(check, mode="native", hugepage_bytes=80 << 20),
+            dict(check, mode="kvcached-contiguous", hugepage_bytes=0)]
+    assert "host pools in huge pages: 1 of 2; in small pages: kvcached-contiguous MHA page_first" in \
+        transfer_bench.table(rows).splitlines()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_host_pool_bytes_counts_the_packed_draft_layer(host_modules, monkeypatch, kind):
+    from tests.support.kvcached_views import mha_pool, mla_pool
+    monkeypatch.setattr(transfer_bench, "MTP_TOKENS", [128])
+    row_bytes = 2 * 64 * 2 * 2 if kind == "mha" else (96 + 32) * 2
+    monkeypatch.setattr(transfer_bench, "kv_model", lambda k: (SimpleNamespace(layers=3), row_bytes))
+    size = transfer_bench.pool_pages(128)[1]
+
+    def pool(layers):
+        if kind == "mha":
+            return mha_pool("native", size=size, page_size=64, layers=layers, heads=2, head_dim=64)
+        return mla_pool("native", size=size, page_size=64, layers=layers, kv_lora_rank=96, qk_rope_head_dim=32)
+    cls = host_modules.mha.MHATokenToKVPoolHost if kind == "mha" else host_modules.mla.MLATokenToKVPoolHost
+    host = cls(pool(3), 1.0, 0, 64, "page_first", pin_memory=False, device="cpu", mtp_draft_device_pools=[pool(1)])
+    assert transfer_bench.host_pool_bytes(f"mtp-{kind}") == host.kv_buffer.numel() * host.kv_buffer.element_size()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_kv_model_row_bytes_are_a_tokens_bytes_in_one_layer_of_that_models_pool(kind):
+    from tests.support.kvcached_views import mha_pool, mla_pool
+    model, row_bytes = transfer_bench.kv_model(kind)
+    if kind == "mha":
+        pool = mha_pool("native", size=64, page_size=64, layers=1, heads=model.kv_heads, head_dim=model.head_dim)
+        views = [pool.k_buffer[0], pool.v_buffer[0]]
+    else:
+        pool = mla_pool("native", size=64, page_size=64, layers=1, kv_lora_rank=model.kv_lora_rank,
+                        qk_rope_head_dim=model.qk_rope_head_dim)
+        views = [pool.kv_buffer[0]]
+    assert row_bytes == sum(v[0].numel() * v.element_size() for v in views)
+
+
+def test_a_pool_hands_out_more_pages_than_the_largest_batch_takes_and_keeps_64_back():
+    n_pages, size = transfer_bench.pool_pages(4096)
+    assert n_pages * transfer_bench.PAGE > 4096 and size // transfer_bench.PAGE - n_pages == 64
+
+
+# --- kvcached_memory --series --------------------------------------------------------------
+
+def test_series_times_from_when_the_pool_was_built_and_keeps_a_failed_check(monkeypatch):
+    now = iter(10 + x * 0.5 for x in range(100))
+    monkeypatch.setattr(kvcached_memory.time, "monotonic", lambda: next(now))
+    monkeypatch.setattr(kvcached_memory, "loads_into_both", lambda *a: (lambda target, i: None, lambda: False))
+    monkeypatch.setattr(kvcached_memory.tb, "kernel_profile", lambda fn, reps: [fn(0) or {"kernel_us": 1.0}])
+    monkeypatch.setattr(kvcached_memory, "sm_clock_mhz", lambda: None)
+    built = kvcached_memory.time.monotonic()   # 10.0
+    series = kvcached_memory.load_series(None, None, [], [], seconds=2.0, built=built)
+    assert [s["t_s"] for s in series["samples"]] == [1.0, 2.0] and series["both_loaded_the_bytes"] is False
+
+
+def test_sm_clock_is_nvmls_or_none(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda *a: 1755)
+    assert kvcached_memory.sm_clock_mhz() == 1755
+
+    def no_nvml(*a):
+        raise RuntimeError("no NVML")
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert kvcached_memory.sm_clock_mhz() is None
+
+
+def test_series_table_takes_medians_drops_late_loads_and_says_what_is_missing():
+    samples = [dict(t_s=0.1 * k, target="pool", gpu_us=us, sm_mhz=1980) for k, us in enumerate((100.0, 101.0, 130.0))]
+    late = [dict(t_s=12.2, target="twin", gpu_us=90.0, sm_mhz=1980)]
+    rows = [dict(process="contiguous", run=0, pool="MHA", samples=samples + late, both_loaded_the_bytes=False),
+            dict(process="native", run=1, pool="MLA", samples=[], both_loaded_the_bytes=True)]
+    assert kvcached_memory.series_table(rows, 12.0).splitlines()[2:] == [
+        "| contiguous | 0 | MHA | 0-2 | 3 | 101.0 | - | 1980-1980 | DIFFER |",
+        "| native | 1 | MLA | 0-12 | 0 | - | - | - | no load within 12 s of the pool's construction |"]
+
+
+def test_series_main_numbers_its_processes_and_passes_the_seconds(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    seen = []
+
+    def run_child(script, process, native, args):
+        seen.append(args[args.index("--series") + 1])
+        return [dict(process=process, pool="MHA", samples=[dict(t_s=0.5, target="pool", gpu_us=1.0, sm_mhz=None)],
+                     both_loaded_the_bytes=True)]
+    monkeypatch.setattr(kvcached_memory.tb, "run_child", run_child)
+    monkeypatch.setattr(sys, "argv", ["kvcached_memory.py", "--parts", "mha", "--processes", "native,native",
+                                      "--series", "12", "--out", str(tmp_path / "s.json")])
+    kvcached_memory.main()
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert seen == ["12.0", "12.0"] and [r["run"] for r in rows] == [0, 1]
+    assert "| native | 1 | MHA | 0-2 | 1 |" in capsys.readouterr().out
+
+
+def test_a_series_child_runs_the_series_from_before_the_pool_is_built(monkeypatch):
+    events = []
+    monkeypatch.setattr(kvcached_memory.tb, "import_sglang", lambda mode: None)
+
+    class KV:
+        views, pages, part = [], [1], "mha"
+
+        def __init__(self, part, gen, max_tokens):
+            events.append(("built", kvcached_memory.time.monotonic()))
+
+        def host_pool(self, layout):
+            return SimpleNamespace(destroy=lambda: None)
+
+        def release(self):
+            pass
+    monkeypatch.setattr(kvcached_memory.tb, "KVBench", KV)
+    monkeypatch.setattr(kvcached_memory, "torch_twin", lambda views, rows: [])
+    monkeypatch.setattr(kvcached_memory, "time_loads", lambda *a: pytest.fail("batches timed instead of a series"))
+
+    def load_series(kv, host, mapped, twin, seconds, built):
+        events.append(("series", seconds, built))
+        return dict(batch=64, samples=[], both_loaded_the_bytes=True)
+    monkeypatch.setattr(kvcached_memory, "load_series", load_series)
+    rows = kvcached_memory.child("native", 3, ["mha"], series=12.0)
+    (_, constructed), (_, seconds, built) = events
+    assert seconds == 12.0 and built <= constructed and rows[0]["pool"] == "MHA"

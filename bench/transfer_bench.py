@@ -664,13 +664,14 @@ class ServingChild:
 
 
 def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: None,
-                      on_ready=lambda: None) -> list[dict]:
+                      on_ready=lambda: None, first_round: int = 0) -> list[dict]:
     """--cell-by-cell: a serving child per variant (start(mode)), started one after another
     so that each builds its pools and compiles its kernels alone; then, cell by cell, the
     cell's rounds, each round every variant that has the cell, in round_order. A cell's
     variants are timed seconds apart, so a slower stretch of the machine meets them alike,
     where whole-run children leave minutes between them; at the end every child checks its
-    pools' bytes again. on_ready() once every child is set up, save(rows) after every cell."""
+    pools' bytes again. on_ready() once every child is set up, save(rows) after every cell;
+    rounds are numbered from first_round."""
     children, offered, cells, rows = {}, {}, [], []
     try:
         for mode in modes:
@@ -682,7 +683,8 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
         on_ready()
         for cell in cells:
             having = [m for m in modes if cell in offered[m]]
-            rows += [dict(children[mode].ask(cell), round=round_) for round_, mode in round_order(having, rounds)]
+            rows += [dict(children[mode].ask(cell), round=first_round + round_)
+                     for round_, mode in round_order(having, rounds)]
             save(rows)
         for mode in modes:
             rows += children[mode].finish()
@@ -811,6 +813,9 @@ def main():
                     help="keep a child per variant running and time each cell in every variant and round "
                          "before the next cell, instead of one variant's whole run after another (KV parts "
                          "and link only)")
+    ap.add_argument("--process-sets", type=int, default=1,
+                    help="with --cell-by-cell: run its rounds in this many sets of fresh children, one after "
+                         "another, so that a slow process is one of several per variant")
     ap.add_argument("--host-hugepages", choices=sorted(HUGEPAGE_KB),
                     help="host pools in huge pages of this size (SGLang's SGLANG_HUGEPAGE_SIZE); they must "
                          "be reserved first")
@@ -824,8 +829,10 @@ def main():
     host_layouts = tuple(args.host_layouts.split(","))
     if set(host_layouts) - set(HOST_LAYOUTS):
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
-    if args.rounds < 1 or args.profiles < 1:
-        ap.error("--rounds, --profiles: at least 1")
+    if args.rounds < 1 or args.profiles < 1 or args.process_sets < 1:
+        ap.error("--rounds, --profiles, --process-sets: at least 1")
+    if args.process_sets > 1 and not args.cell_by_cell:
+        ap.error("--process-sets: with --cell-by-cell (whole-run children are fresh every round already)")
     if (args.cell_by_cell or args.host_hugepages) and "mamba" in parts:
         ap.error("--cell-by-cell, --host-hugepages: KV parts and link only (the Mamba part runs in whole-run "
                  "children, over host pools of its own)")
@@ -853,7 +860,7 @@ def main():
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
-                cell_by_cell=args.cell_by_cell, host_hugepages=args.host_hugepages,
+                cell_by_cell=args.cell_by_cell, process_sets=args.process_sets, host_hugepages=args.host_hugepages,
                 **({"free_hugepages_before": free_hugepages()} if args.host_hugepages else {}))
     child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
                   "--host-pages", args.host_pages, "--host-layouts", args.host_layouts]
@@ -865,9 +872,11 @@ def main():
         def on_ready():   # the host pools of every child are up: the huge pages they hold
             if args.host_hugepages:
                 meta["free_hugepages_with_children_up"] = free_hugepages()
-        rows = cell_by_cell_rows(modes, args.rounds,
-                                lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args), save,
-                                on_ready)
+        rows = []
+        for first_round in range(0, args.process_sets * args.rounds, args.rounds):
+            rows += cell_by_cell_rows(modes, args.rounds,
+                                      lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args),
+                                      lambda set_rows: save(rows + set_rows), on_ready, first_round)
     else:
         rows = []
         for round_, mode in round_order(modes, args.rounds):

@@ -692,9 +692,10 @@ def test_whole_run_children_profile_each_kv_cell_as_often_as_asked(fake_serving,
 
 # --- main(): what it hands its children, and the huge-page checks ------------------------
 
-def run_main(monkeypatch, tmp_path, *argv, counts=None):
-    """transfer_bench.main() with its children, the GPU and the kernel's huge-page counts faked;
-    returns (mode, args, SGLANG_HUGEPAGE_SIZE) per child started."""
+def run_main(monkeypatch, tmp_path, *argv, counts=None, cells=()):
+    """transfer_bench.main() with its children, the GPU and the kernel's huge-page counts faked
+    (serving children offer `cells`); returns (mode, args, SGLANG_HUGEPAGE_SIZE) per child
+    started."""
     counts = counts or dict(nr_hugepages=10**6, free_hugepages=10**6, resv_hugepages=0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(transfer_bench, "hugepage_counts", lambda size, sysfs=None: dict(counts))
@@ -707,10 +708,14 @@ def run_main(monkeypatch, tmp_path, *argv, counts=None):
 
     class Child:
         def __init__(self, script, mode, native, args):
+            self.mode = mode
             seen.append((mode, args, os.environ.get("SGLANG_HUGEPAGE_SIZE")))
 
         def receive(self):
-            return dict(rows=[], cells=[])
+            return dict(rows=[], cells=[list(c) for c in cells])
+
+        def ask(self, cell):
+            return dict(mode=self.mode, pool=cell[0], direction=cell[1], host_layout=cell[2], batch=cell[3])
 
         def finish(self):
             return []
@@ -726,7 +731,8 @@ def run_main(monkeypatch, tmp_path, *argv, counts=None):
 
 @pytest.fixture
 def no_hugepage_env(monkeypatch):
-    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE", raising=False)   # and main()'s setting undone after
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "")   # recorded, so main()'s setting is undone after
+    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE")
 
 
 def test_main_hands_profiles_and_huge_pages_to_every_child(monkeypatch, tmp_path, no_hugepage_env):
@@ -750,7 +756,16 @@ def test_serving_children_are_all_counted_and_exactly_enough_pages_do(monkeypatc
     assert len(run_main(monkeypatch, tmp_path, *argv, counts=enough)) == 2
 
 
-@pytest.mark.parametrize("argv", [("--profiles", "0"), ("--cell-by-cell", "--parts", "mha,mamba"),
+def test_process_sets_start_fresh_children_per_set_and_number_the_rounds_on(monkeypatch, tmp_path, no_hugepage_env):
+    seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,kvcached-per-layer",
+                    "--cell-by-cell", "--rounds", "2", "--process-sets", "3", cells=[A])
+    assert [m for m, _, _ in seen] == ["native", "kvcached-per-layer"] * 3
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert sorted((r["mode"], r["round"]) for r in rows) == sorted(
+        (m, r) for m in ("native", "kvcached-per-layer") for r in range(6))
+
+
+@pytest.mark.parametrize("argv", [("--profiles", "0"), ("--process-sets", "2"), ("--cell-by-cell", "--parts", "mha,mamba"),
                                   ("--host-hugepages", "2MB", "--parts", "mha,mamba")])
 def test_main_refuses_what_it_cannot_run(monkeypatch, tmp_path, no_hugepage_env, argv):
     with pytest.raises(SystemExit) as exc:
@@ -758,7 +773,7 @@ def test_main_refuses_what_it_cannot_run(monkeypatch, tmp_path, no_hugepage_env,
     assert exc.value.code == 2 and not (tmp_path / "r.json").exists()
 
 
-def test_main_refuses_huge_pages_it_was_not_asked_for(monkeypatch, tmp_path, capsys):
+def test_main_refuses_huge_pages_it_was_not_asked_for(monkeypatch, tmp_path, capsys, no_hugepage_env):
     monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2MB")
     with pytest.raises(SystemExit) as exc:
         run_main(monkeypatch, tmp_path, "--parts", "mha")

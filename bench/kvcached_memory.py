@@ -132,7 +132,7 @@ def child(process: str, reps: int, parts: list[str], series: float = 0.0) -> lis
     import torch
     sglang = tb.import_sglang(PROCESSES[process])
     rows, gen = [], torch.Generator().manual_seed(0)
-    tree = os.path.dirname(sglang.__file__) if sglang else None
+    tree = os.path.dirname(sglang.__file__)   # which SGLang the rows are of
     for part in parts:
         built = time.monotonic()
         kv = tb.KVBench(part, gen, max_tokens=max(TOKENS))

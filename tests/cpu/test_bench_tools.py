@@ -887,7 +887,8 @@ def test_series_main_numbers_its_processes_and_passes_the_seconds(monkeypatch, t
 
 def test_a_series_child_runs_the_series_from_before_the_pool_is_built(monkeypatch):
     events = []
-    monkeypatch.setattr(kvcached_memory.tb, "import_sglang", lambda mode: None)
+    monkeypatch.setattr(kvcached_memory.tb, "import_sglang",
+                        lambda mode: SimpleNamespace(__file__="/tree/sglang/__init__.py"))
 
     class KV:
         views, pages, part = [], [1], "mha"
@@ -910,4 +911,5 @@ def test_a_series_child_runs_the_series_from_before_the_pool_is_built(monkeypatc
     monkeypatch.setattr(kvcached_memory, "load_series", load_series)
     rows = kvcached_memory.child("native", 3, ["mha"], series=12.0)
     (_, constructed), (_, seconds, built) = events
-    assert seconds == 12.0 and built <= constructed and rows[0]["pool"] == "MHA"
+    assert seconds == 12.0 and built <= constructed
+    assert rows[0]["pool"] == "MHA" and rows[0]["sglang"] == "/tree/sglang"

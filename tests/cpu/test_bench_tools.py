@@ -515,26 +515,6 @@ def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_a
     assert "kernel_us" not in transfer_bench.measure(link, 4, 5) and asked == [5, 3]
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_host_pool_bytes_is_what_sglangs_host_pool_allocates(host_modules, monkeypatch, kind):
-    # a small model and batch in place of Qwen2.5-7B / DeepSeek-V2-Lite at 64k tokens: the
-    # bytes the benchmark reserves huge pages for must be those SGLang's host pool takes
-    from types import SimpleNamespace
-
-    from tests.support.kvcached_views import mha_pool, mla_pool
-    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
-    row_bytes = 2 * 64 * 2 * 2 if kind == "mha" else (96 + 32) * 2
-    monkeypatch.setattr(transfer_bench, "kv_model", lambda k: (SimpleNamespace(layers=3), row_bytes))
-    size = transfer_bench.pool_pages(128)[1]
-    if kind == "mha":
-        pool = mha_pool("native", size=size, page_size=64, layers=3, heads=2, head_dim=64)
-        host = host_modules.mha.MHATokenToKVPoolHost(pool, 1.0, 0, 64, "page_first", pin_memory=False, device="cpu")
-    else:
-        pool = mla_pool("native", size=size, page_size=64, layers=3, kv_lora_rank=96, qk_rope_head_dim=32)
-        host = host_modules.mla.MLATokenToKVPoolHost(pool, 1.0, 0, 64, "page_first", pin_memory=False, device="cpu")
-    assert transfer_bench.host_pool_bytes(kind) == host.kv_buffer.numel() * host.kv_buffer.element_size()
-
-
 def test_hugepages_needed_counts_whole_pages_per_pool_layout_and_child(monkeypatch):
     sizes = {"mha": 5 << 20, "mla": (6 << 20) + 1}
     monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part: sizes[part])
@@ -799,9 +779,14 @@ def test_host_pools_say_how_much_of_them_is_in_huge_pages_and_the_table_names_th
         transfer_bench.table(rows).splitlines()
 
 
+@pytest.mark.parametrize("drafts", [0, 1], ids=["target", "packed-draft"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_host_pool_bytes_counts_the_packed_draft_layer(host_modules, monkeypatch, kind):
+def test_host_pool_bytes_is_what_sglangs_host_pool_allocates(host_modules, monkeypatch, kind, drafts):
+    # a small model and batch in place of Qwen2.5-7B / DeepSeek-V2-Lite at 64k tokens: the
+    # bytes the benchmark reserves huge pages for must be those SGLang's host pool takes,
+    # a packed MTP draft's layer included
     from tests.support.kvcached_views import mha_pool, mla_pool
+    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
     monkeypatch.setattr(transfer_bench, "MTP_TOKENS", [128])
     row_bytes = 2 * 64 * 2 * 2 if kind == "mha" else (96 + 32) * 2
     monkeypatch.setattr(transfer_bench, "kv_model", lambda k: (SimpleNamespace(layers=3), row_bytes))
@@ -812,8 +797,10 @@ def test_host_pool_bytes_counts_the_packed_draft_layer(host_modules, monkeypatch
             return mha_pool("native", size=size, page_size=64, layers=layers, heads=2, head_dim=64)
         return mla_pool("native", size=size, page_size=64, layers=layers, kv_lora_rank=96, qk_rope_head_dim=32)
     cls = host_modules.mha.MHATokenToKVPoolHost if kind == "mha" else host_modules.mla.MLATokenToKVPoolHost
-    host = cls(pool(3), 1.0, 0, 64, "page_first", pin_memory=False, device="cpu", mtp_draft_device_pools=[pool(1)])
-    assert transfer_bench.host_pool_bytes(f"mtp-{kind}") == host.kv_buffer.numel() * host.kv_buffer.element_size()
+    host = cls(pool(3), 1.0, 0, 64, "page_first", pin_memory=False, device="cpu",
+               mtp_draft_device_pools=[pool(1) for _ in range(drafts)])
+    part = f"mtp-{kind}" if drafts else kind
+    assert transfer_bench.host_pool_bytes(part) == host.kv_buffer.numel() * host.kv_buffer.element_size()
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -571,6 +572,9 @@ def test_a_serving_child_that_falls_silent_is_stopped_and_its_log_shown(tmp_path
     script = tmp_path / "child.py"
     script.write_text("import sys, time\nprint('building pools', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
     child = transfer_bench.ServingChild(str(script), "kvcached-per-layer", None, [])
+    started = time.monotonic()   # its first words logged, however slowly the machine starts it
+    while not os.fstat(child.log.fileno()).st_size and time.monotonic() - started < 30:
+        time.sleep(0.05)
     with pytest.raises(SystemExit, match="kvcached-per-layer: benchmark child sent nothing in 1 s"):
         child.receive(timeout=1)
     assert child.proc.returncode is not None and "building pools" in capsys.readouterr().err

@@ -25,9 +25,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 python3 -c "import torch, kvcached, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda); print('kvcached', kvcached.__version__); print('sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
 if [ ! -d "$pristine/sglang" ]; then
   mkdir -p "$pristine" && cp -a "$site/sglang" "$pristine/"
-  python3 scripts/status "$pristine" > /dev/null || python3 scripts/reverse "$pristine" > /dev/null 2>&1 || true
 fi
+# The copy is of $site as it stands, which an earlier call may have patched: take the
+# series out (a no-op on a pristine tree), and stop unless the native variant's tree is
+# SGLang as shipped.
+python3 scripts/reverse "$pristine" > "$out/pristine-reverse.log" 2>&1
 python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2>&1
+if ! head -n 1 "$out/pristine-status.txt" | grep -q ": series pristine$"; then
+  echo "no pristine SGLang at $pristine for the native variant:" >&2
+  cat "$out/pristine-reverse.log" "$out/pristine-status.txt" >&2
+  exit 1
+fi
 if [ -n "${HUGEPAGES_2MB:-}" ]; then
   echo "$HUGEPAGES_2MB" > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
   grep -i huge /proc/meminfo > "$out/hugepages.txt" 2>&1
@@ -70,3 +78,4 @@ fi
 for f in unpatched patched differential bench profile link-paths kvcached-memory; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }
 done
+exit 0  # each step's exit status is the last line of its log

@@ -1,0 +1,67 @@
+"""tests/gpu/device_session.sh's setup, without a GPU: the benchmark's native variant
+must get SGLang as shipped even when the installed tree it copies was patched by an
+earlier call, and the session must stop rather than time a tree in any other state."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SESSION = ROOT / "tests" / "gpu" / "device_session.sh"
+PATCHED = ROOT / "build" / "sglang-patched" / "python" / "sglang"
+
+
+def series_state(python_dir: Path) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), str(python_dir)],
+                          capture_output=True, text=True)
+    return proc.stdout.splitlines()[0].rsplit("series ", 1)[-1]
+
+
+def run_session(site: Path, pristine: Path, out: Path) -> subprocess.CompletedProcess:
+    out.mkdir()
+    env = dict(os.environ, SGLANG_SITE=str(site), PRISTINE_SITE=str(pristine), STEPS="none",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(["bash", str(SESSION), str(out)], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def patched_site(tmp_path):
+    if not PATCHED.is_dir():
+        pytest.skip("set by `make test`: build/sglang-patched, the patched tree")
+    site = tmp_path / "site"
+    site.mkdir()
+    shutil.copytree(PATCHED, site / "sglang", symlinks=True)
+    return site
+
+
+def test_the_native_copy_of_a_patched_site_is_reversed(patched_site, tmp_path):
+    proc = run_session(patched_site, tmp_path / "pristine", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert series_state(tmp_path / "pristine") == "pristine"
+    assert series_state(patched_site) == "applied"
+    assert (tmp_path / "out" / "pristine-status.txt").read_text().splitlines()[0].endswith(": series pristine")
+
+
+def test_a_stale_patched_native_copy_is_reversed(patched_site, tmp_path):
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    shutil.copytree(PATCHED, pristine / "sglang", symlinks=True)
+    proc = run_session(patched_site, pristine, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert series_state(pristine) == "pristine"
+
+
+def test_a_native_copy_that_cannot_be_made_pristine_stops_the_session(patched_site, tmp_path):
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    shutil.copytree(PATCHED, pristine / "sglang", symlinks=True)
+    (pristine / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py").write_text("edited = True\n")
+    proc = run_session(patched_site, pristine, tmp_path / "out")
+    assert proc.returncode == 1
+    assert f"no pristine SGLang at {pristine} for the native variant" in proc.stderr
+    assert not (tmp_path / "out" / "apply.log").exists()  # stopped before anything ran

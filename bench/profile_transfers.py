@@ -57,8 +57,7 @@ def force_unroll(unroll):
 
 def child(mode: str, reps: int, parts: list[str], unrolls: list[str], tokens: list[int]) -> list[dict]:
     import torch
-    tb.import_sglang(mode)
-    rows, gen = [], torch.Generator().manual_seed(0)
+    rows, gen = [tb.meta_row(mode, tb.import_sglang(mode))], torch.Generator().manual_seed(0)
     for part in parts:
         try:
             kv = tb.KVBench(part, gen, max_tokens=max(tokens), interleave=mode == "torch-interleaved")
@@ -91,7 +90,10 @@ def child(mode: str, reps: int, parts: list[str], unrolls: list[str], tokens: li
 def table(rows):
     lines = ["| variant | pool | dir | layout | tokens | unroll | events us | issue us | kernel us "
              "| span us | kernels | copies | blocks |", "|---|---|---|---|---:|---|" + "---:|" * 7]
+    trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
     for r in rows:
+        if r.get("pool") == "meta":
+            continue
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['pool']} | not measured: {r['error']} |")
             continue
@@ -99,7 +101,7 @@ def table(rows):
             f"| {r['mode']} | {r['pool']} | {r['direction']} | {r['host_layout']} | {r['batch']} | {r['unroll']} "
             f"| {r['events_us']:.1f} | {r['issue_us']:.1f} | {r['kernel_us']:.1f} | {r['span_us']:.1f} "
             f"| {r['kernels']:g} | {r['copies']:g} | {','.join(map(str, r['blocks']))} |")
-    return "\n".join(lines)
+    return "\n".join(trees + lines)
 
 
 def main():

@@ -203,10 +203,22 @@ def token_sets(gen, total_pages, n_tokens, count=4, skip=1, runs=False):
     return sets
 
 
+def required_series_state(mode: str) -> str:
+    """What scripts/status must say of the tree a variant times: native is SGLang 0.5.20
+    without the series (the oracle), every other variant runs with all of it."""
+    return "pristine" if mode == "native" else "applied"
+
+
 def meta_row(mode: str, sglang) -> dict:
-    """Which SGLang tree a child imports, and what scripts/status says of it."""
-    return dict(mode=mode, pool="meta", sglang=os.path.dirname(sglang.__file__),
-                series_applied=series_applied(os.path.dirname(os.path.dirname(sglang.__file__))))
+    """Which SGLang tree a child imports, and what scripts/status says of it. A tree in
+    another state than the variant needs stops the child: a native variant timed on a
+    patched tree would compare the series with itself."""
+    status = series_applied(os.path.dirname(os.path.dirname(sglang.__file__)))
+    want = required_series_state(mode)
+    if not status.endswith(f": series {want}"):
+        hint = " (pass a pristine copy's python/ folder as --native-sglang)" if mode == "native" else ""
+        raise SystemExit(f"{mode}: needs an SGLang tree with the series {want}{hint}; scripts/status says: {status}")
+    return dict(mode=mode, pool="meta", sglang=os.path.dirname(sglang.__file__), series_applied=status)
 
 
 def link_cells() -> list[tuple]:

@@ -904,3 +904,35 @@ def test_a_series_child_runs_the_series_from_before_the_pool_is_built(monkeypatc
     (_, constructed), (_, seconds, built) = events
     assert seconds == 12.0 and built <= constructed
     assert rows[0]["pool"] == "MHA" and rows[0]["sglang"] == "/tree/sglang"
+
+
+def sglang_tree(python_dir) -> SimpleNamespace:
+    """What meta_row reads of an imported sglang module: where it lives."""
+    return SimpleNamespace(__file__=str(Path(python_dir) / "sglang" / "__init__.py"))
+
+
+def test_each_variant_refuses_a_tree_without_the_series_state_it_claims():
+    # A native variant on a patched tree compares the series with itself, and a patched
+    # variant on a pristine tree times SGLang as shipped: the child stops in both cases.
+    if not os.environ.get("PRISTINE_SGLANG"):
+        pytest.skip("set by `make test`: PRISTINE_SGLANG, the pristine tree's python/ folder")
+    import sglang
+
+    pristine, patched = sglang_tree(os.environ["PRISTINE_SGLANG"]), sglang_tree(Path(sglang.__file__).parents[1])
+    assert transfer_bench.meta_row("native", pristine)["series_applied"].endswith(": series pristine")
+    assert transfer_bench.meta_row("kvcached-contiguous", patched)["series_applied"].endswith(": series applied")
+    with pytest.raises(SystemExit, match=r"native: needs an SGLang tree with the series pristine \(pass a "
+                                         r"pristine copy's python/ folder as --native-sglang\).*series applied"):
+        transfer_bench.meta_row("native", patched)
+    with pytest.raises(SystemExit, match=r"patched-dense: needs an SGLang tree with the series applied; "
+                                         r"scripts/status says: .*series pristine"):
+        transfer_bench.meta_row("patched-dense", pristine)
+
+
+def test_profile_table_names_each_variants_tree():
+    rows = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied="status: series pristine"),
+            dict(mode="native", pool="MLA", direction="load", host_layout="page_first", batch=64, unroll="default",
+                 events_us=1.0, issue_us=1.0, kernel_us=1.0, span_us=1.0, kernels=1, copies=0, blocks=[2])]
+    lines = profile_transfers.table(rows).splitlines()
+    assert lines[0] == "native: /p/sglang (status: series pristine)"
+    assert sum(line.startswith("| native | MLA | load |") for line in lines) == 1

@@ -33,6 +33,10 @@ load, pinned host -> device:
   sglang load_to_device_per_layer, every layer
   direct per-layer kernel    transfer_hicache_one_layer[_mla] per layer; block quota x
                              unroll (SGLang's default and twice it)
+  the same, dense source     a reference, not a HiCache layout: the kernel reads each layer's
+                             rows in token order from a dense pinned [layer][token][row]
+                             buffer, so every read is contiguous: what SMs reading pinned
+                             host memory reach without page_first's 28-31 KB token stride
   copy engine alone          what a per-layer load could hand the copy engine: for each
                              layer and tensor one strided copy (cudaMemcpy2DAsync) per run
                              of consecutive host pages, a row (1-1.1 KB) per token, into a
@@ -183,7 +187,8 @@ def load_unrolls(facts: KernelFacts, element_size: int) -> list[int]:
 class Spec:
     direction: str  # "backup" (device -> host) or "load" (host -> device)
     kind: str  # "staged", "direct", "copies" or "sglang"
-    host_pages: str = "random"  # or "consecutive": one run of host pages from page 1
+    host_pages: str = "random"  # "consecutive": one run of host pages from page 1; "dense": loads
+    # from a dense pinned [layer][token][row] buffer instead of the host pool (a reference)
     quota: int | None = None
     unroll: int | None = None
     coalesce: bool = False  # copies: one copy per run of consecutive host pages
@@ -202,7 +207,8 @@ class Spec:
             how = "one copy per run" if self.coalesce else "one copy per page"
             return f"copy engine alone, {how}, {self.host_pages} host pages"
         span = "all-layer" if self.direction == "backup" else "per-layer"
-        return f"direct {span} kernel bq={self.quota} u={self.unroll}"
+        source = ", dense pinned source" if self.host_pages == "dense" else ""
+        return f"direct {span} kernel bq={self.quota} u={self.unroll}{source}"
 
 
 def path_specs(tokens: int, quotas, unrolls, staged_overlaps: bool = False) -> list[Spec]:
@@ -221,6 +227,7 @@ def path_specs(tokens: int, quotas, unrolls, staged_overlaps: bool = False) -> l
     specs += [Spec("load", "direct", quota=q, unroll=u) for u in unrolls for q in quotas]
     if tokens in COPY_TOKENS:
         specs.append(Spec("load", "copies", "consecutive", coalesce=True))
+        specs += [Spec("load", "direct", "dense", quota=q, unroll=default) for q in quotas]
     return specs
 
 
@@ -284,15 +291,17 @@ class Plan:
 
 def build_plans(gen, device_pages, host_page_count: int, tokens: int, to_device) -> dict[str, list[Plan]]:
     """Four rotating sets of `tokens` tokens on random device pages, each with random
-    host pages ("random") and with the run of host pages from page 1 ("consecutive")."""
+    host pages ("random") and with the run of host pages from page 1 ("consecutive"; the
+    dense source's rows are read in that order too)."""
     import torch
     if tokens // PAGE >= host_page_count:
         raise ValueError(f"{tokens} tokens do not fit the host pool's {host_page_count - 1} usable pages")
     device = [device_pages[t // PAGE] * PAGE + t % PAGE for t in token_sets(gen, len(device_pages), tokens, skip=0)]
     random_host = token_sets(gen, host_page_count, tokens)  # pages 1.., as transfer_bench draws them
     run = torch.arange(PAGE, PAGE + tokens)
+    consecutive = [Plan(to_device(d), run, to_device(run)) for d in device]
     return {"random": [Plan(to_device(d), h, to_device(h)) for d, h in zip(device, random_host)],
-            "consecutive": [Plan(to_device(d), run, to_device(run)) for d in device]}
+            "consecutive": consecutive, "dense": consecutive}
 
 
 def staged_launch_pages(facts: KernelFacts, pages: int, overlap: bool = True) -> int:
@@ -418,7 +427,8 @@ class PoolBench:
         self.geom, self.gen, self.dry = geom, gen, dry
         self.size = (max_tokens // PAGE + 16) * PAGE  # 16 spare pages, so random pages vary
         self.device_pages = torch.arange(1, self.size // PAGE + 1)  # page 0: padded tokens' writes
-        self.stage: dict = {}  # tokens -> backup staging copy; ("load", tokens) -> load buffer
+        self.stage: dict = {}  # tokens -> backup staging copy; ("load", tokens) -> load buffer;
+        # ("dense", tokens) -> dense pinned load source
         if dry:
             self.host_page_count = self.size // PAGE + 1  # SGLang's host pool at ratio 1.0 (base.py)
             return
@@ -474,8 +484,10 @@ class PoolBench:
             return self._copies(spec, tokens)
         if self.dry:
             return lambda plan: (lambda: None)
+        if spec.direction == "load" and spec.kind == "direct":
+            return self._direct_load(spec, tokens)
         build = {("backup", "staged"): self._staged, ("backup", "direct"): self._direct_backup,
-                 ("load", "sglang"): self._sglang_load, ("load", "direct"): self._direct_load}
+                 ("load", "sglang"): self._sglang_load}
         return build[spec.direction, spec.kind](spec)
 
     def _staged(self, spec):
@@ -516,33 +528,51 @@ class PoolBench:
         host, pool, layers = self.host, self.pool, self.geom.layers
         return lambda plan: (lambda: load_all_layers(host, pool, plan.host_gpu, plan.device, layers))
 
-    def _direct_load(self, spec):
+    def _direct_load(self, spec, tokens):
         # As load_to_device_per_layer calls the one-layer kernel for page_first
         # (pool_host/mha.py, mla.py): the host layer's strided [token][row] view as
-        # source, with a chosen unroll and block quota instead of SGLang's.
+        # source, with a chosen unroll and block quota instead of SGLang's; or, for the
+        # dense source, that layer's rows of the dense pinned buffer.
         host, pool, hc, layers = self.host, self.pool, self.hc, range(self.geom.layers)
         tuning = dict(unroll=spec.unroll, block_quota=spec.quota)
+        sources = self.dense_source(tokens) if spec.host_pages == "dense" else None
         if self.geom.part == "mha":
+            k_src, v_src = sources or (host.k_data_refs, host.v_data_refs)
+
             def prepare(plan):
                 def run():
                     for layer in layers:
                         hc.transfer_hicache_one_layer(
                             k_cache_dst=pool.k_buffer[layer], v_cache_dst=pool.v_buffer[layer],
-                            indices_dst=plan.device, k_cache_src=host.k_data_refs[layer],
-                            v_cache_src=host.v_data_refs[layer], indices_src=plan.host_gpu,
+                            indices_dst=plan.device, k_cache_src=k_src[layer],
+                            v_cache_src=v_src[layer], indices_src=plan.host_gpu,
                             element_dim=host.element_dim, **tuning)
                 return run
             return prepare
+        (src,) = sources or (host.data_refs,)
 
         def prepare_mla(plan):
             def run():
                 for layer in layers:
                     hc.transfer_hicache_one_layer_mla(
                         cache_dst=pool.kv_buffer[layer], indices_dst=plan.device,
-                        cache_src=host.data_refs[layer], indices_src=plan.host_gpu,
+                        cache_src=src[layer], indices_src=plan.host_gpu,
                         element_dim=host.kv_cache_dim, **tuning)
             return run
         return prepare_mla
+
+    def dense_source(self, tokens: int) -> list:
+        """Per host tensor a dense pinned [layer][token][row] buffer of random rows, one row
+        per host token index of the "consecutive" plans (pages 1 to tokens / PAGE)."""
+        import torch
+        key = ("dense", tokens)
+        if key not in self.stage:
+            self.stage[key] = []
+            for t in self.host_tensors():
+                shape = (self.geom.layers, PAGE + tokens, *t.shape[2:])
+                buffer = torch.empty(shape, dtype=t.dtype, pin_memory=DEVICE == "cuda")
+                self.stage[key].append(buffer.copy_(random_bytes(shape, t.dtype, DEVICE)))
+        return self.stage[key]
 
     def _copies(self, spec, tokens):
         if spec.direction == "load":
@@ -612,6 +642,8 @@ class PoolBench:
         run = prepare(plan)
         if spec.kind == "copies" and spec.direction == "load":
             return self._check_layer_copies(run, plan, tokens)
+        if spec.host_pages == "dense":
+            return self._check_dense_load(run, plan, tokens)
         if spec.kind == "copies":
             return self._check_backup(run, plan, [s[:len(plan.host_cpu)] for s in self.stage[tokens]])
         if spec.direction == "backup":
@@ -645,6 +677,18 @@ class PoolBench:
         count = len(plan.host_cpu)  # staging tokens follow the plan's order
         return all(same_bytes(f.transpose(0, 1), d[:, :count]) for f, d in zip(fresh, dense))
 
+    def _check_dense_load(self, run, plan, tokens) -> bool:
+        rows, sources = plan.host_cpu, self.dense_source(tokens)
+        fresh = [random_bytes((d.shape[0], len(rows), *d.shape[2:]), d.dtype, DEVICE).cpu() for d in sources]
+        for dense, f in zip(sources, fresh):
+            dense[:, rows] = f
+        for layers in self.device_layers():
+            for layer in layers:
+                layer[plan.device] = 0
+        run()
+        sync()
+        return all(same_bytes(f.transpose(0, 1), d) for f, d in zip(fresh, self.device_rows(plan.device)))
+
     def _fresh_host_rows(self, plan) -> list:
         # Fresh host bytes: after the timed runs the destination may already hold what
         # the host rows do, and a load that does nothing would pass.
@@ -657,6 +701,7 @@ class PoolBench:
     def drop_stage(self, tokens: int):
         self.stage.pop(tokens, None)
         self.stage.pop(("load", tokens), None)
+        self.stage.pop(("dense", tokens), None)
 
     def close(self):
         if not self.dry:

@@ -204,7 +204,8 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
         layer_copies = Spec("load", "copies", "consecutive", coalesce=True)
         specs = link_paths.path_specs(tokens, [2], [2], staged_overlaps=True) + [
             layer_copies, Spec("load", "copies", "random", coalesce=True),  # a copy per run of random pages
-            Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True)]
+            Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True),
+            Spec("load", "direct", "dense", quota=2, unroll=2)]
         assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
                                                          for k in ("staged", "direct", "copies", "sglang")} - {
             ("backup", "sglang"), ("load", "staged")}

@@ -706,6 +706,23 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
     return rows
 
 
+def saved_rows(paths: list[str]) -> list[dict]:
+    """--table: the rows of saved runs, pooled (table() takes each cell's median over all
+    their rounds). A run whose variant ran on a tree in the wrong series state (saved
+    before children checked it) stops the pooling: it would count the series as native."""
+    rows = []
+    for path in paths:
+        with open(path) as handle:
+            data = json.load(handle)
+        for r in data["rows"]:
+            want = required_series_state(r["mode"]) if r.get("pool") == "meta" else None
+            if want and not str(r.get("series_applied")).endswith(f": series {want}"):
+                raise SystemExit(f"{path}: its {r['mode']} variant ran on a tree that is not {want} "
+                                 f"({r.get('series_applied')}); leave this run out")
+        rows += data["rows"]
+    return rows
+
+
 VARIANTS = ("native", "patched-dense", "kvcached-contiguous", "kvcached-per-layer")
 IDENTITY = ("mode", "pool", "direction", "host_layout", "batch")   # what one measurement is of
 TIMES = ("GBps", "seconds", "kernel_us", "span_us")
@@ -785,6 +802,11 @@ def table(rows: list[dict]) -> str:
         of_link = [f"{x / link[key[1]]:.2f}" if x and key[1] in link else "-" for x in values]
         lines.append(f"| {' | '.join(map(str, key))} | {' | '.join(map(f, values))} | {' | '.join(rel)} "
                      f"| {' | '.join(of_link)} |")
+    gpu_ratios = [(gpu_us[("native", *key)] / gpu_us[(v, *key)], v, key) for key in keys for v in VARIANTS[1:]
+                  if gpu_us.get(("native", *key)) and gpu_us.get((v, *key))]
+    if gpu_ratios:   # the table's two decimals round 0.995 up to 1.00
+        low, variant, key = min(gpu_ratios)
+        lines.append(f"lowest GPU-time ratio to native: {low:.4f} ({variant}, {' '.join(map(str, key))})")
     lines += [f"not measured: {e}" for e in errors]
     checks = [r for r in all_rows if "byte_exact" in r]
     bad = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in checks if not r["byte_exact"]]
@@ -831,9 +853,15 @@ def main():
     ap.add_argument("--host-hugepages", choices=sorted(HUGEPAGE_KB),
                     help="host pools in huge pages of this size (SGLang's SGLANG_HUGEPAGE_SIZE); they must "
                          "be reserved first")
+    ap.add_argument("--table", nargs="+", metavar="RESULTS",
+                    help="print the table of saved --out files instead of measuring; several runs are pooled, each "
+                         "cell's median taken over all their rounds")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        print(table(saved_rows(args.table)))
+        return
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - {"link", *KV_PARTS, "mamba"})
     if unknown:

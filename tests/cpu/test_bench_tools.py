@@ -937,3 +937,37 @@ def test_profile_table_names_each_variants_tree():
     lines = profile_transfers.table(rows).splitlines()
     assert lines[0] == "native: /p/sglang (status: series pristine)"
     assert sum(line.startswith("| native | MLA | load |") for line in lines) == 1
+
+
+def saved_run(path, native_state, rows):
+    meta = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied=f"SGLang at /p: series {native_state}"),
+            dict(mode="kvcached-contiguous", pool="meta", sglang="/s/sglang",
+                 series_applied="SGLang at /s: series applied")]
+    path.write_text(json.dumps({"meta": {}, "rows": meta + rows}))
+    return str(path)
+
+
+def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_path, capsys):
+    # Two runs of one cell: the pooled table takes the median GPU time over all four rounds
+    # (native 100, 104, 106, 110 -> 105; contig 100, 100, 104, 130 -> 102): 105 / 102.
+    def rounds(mode, times):
+        return [dict(row(mode, 5.0, kernel_us=t), round=i) for i, t in enumerate(times)]
+    first = saved_run(tmp_path / "a.json", "pristine", rounds("native", [100, 110]) +
+                      rounds("kvcached-contiguous", [100, 130]) + rounds("kvcached-per-layer", [100, 100]))
+    second = saved_run(tmp_path / "b.json", "pristine", rounds("native", [104, 106]) +
+                       rounds("kvcached-contiguous", [100, 104]))
+    pooled = transfer_bench.table(transfer_bench.saved_rows([first, second]))
+    line = next(l for l in pooled.splitlines() if l.startswith("| MLA"))
+    assert [c.strip() for c in line.strip("|").split("|")][9] == "1.00 (1.03)"
+    assert f"lowest GPU-time ratio to native: {105 / 102:.4f} (kvcached-contiguous, MLA load layer_first 64)" in pooled
+    assert "over its 2-4 rounds" in pooled and sum(l.startswith("tree: native") for l in pooled.splitlines()) == 1
+    stale = saved_run(tmp_path / "c.json", "applied", rounds("native", [100]))
+    with pytest.raises(SystemExit, match=r"c\.json: its native variant ran on a tree that is not pristine"):
+        transfer_bench.saved_rows([first, stale])
+    sys_argv = sys.argv
+    try:
+        sys.argv = ["transfer_bench.py", "--table", first, second]
+        transfer_bench.main()
+    finally:
+        sys.argv = sys_argv
+    assert capsys.readouterr().out.strip() == pooled

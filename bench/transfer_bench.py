@@ -706,14 +706,24 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
     return rows
 
 
+# What must be the same in runs that --table pools: what was measured, and on what.
+POOLED_ALIKE = ("gpu", "torch", "page_size", "host_pages", "host_hugepages")
+
+
 def saved_rows(paths: list[str]) -> list[dict]:
     """--table: the rows of saved runs, pooled (table() takes each cell's median over all
-    their rounds). A run whose variant ran on a tree in the wrong series state (saved
-    before children checked it) stops the pooling: it would count the series as native."""
-    rows = []
+    their rounds). Runs measured differently (POOLED_ALIKE) are not pooled, and a run whose
+    variant ran on a tree in the wrong series state (saved before children checked it)
+    stops the pooling: it would count the series as native."""
+    rows, first = [], None
     for path in paths:
         with open(path) as handle:
             data = json.load(handle)
+        setup = {k: data["meta"].get(k) for k in POOLED_ALIKE}
+        first = first or (path, setup)
+        if setup != first[1]:
+            differ = ", ".join(f"{k} {first[1][k]} / {setup[k]}" for k in POOLED_ALIKE if setup[k] != first[1][k])
+            raise SystemExit(f"{first[0]} and {path} were measured differently ({differ}): pool alike runs only")
         for r in data["rows"]:
             want = required_series_state(r["mode"]) if r.get("pool") == "meta" else None
             if want and not str(r.get("series_applied")).endswith(f": series {want}"):

@@ -939,11 +939,11 @@ def test_profile_table_names_each_variants_tree():
     assert sum(line.startswith("| native | MLA | load |") for line in lines) == 1
 
 
-def saved_run(path, native_state, rows):
+def saved_run(path, native_state, rows, **setup):
     meta = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied=f"SGLang at /p: series {native_state}"),
             dict(mode="kvcached-contiguous", pool="meta", sglang="/s/sglang",
                  series_applied="SGLang at /s: series applied")]
-    path.write_text(json.dumps({"meta": {}, "rows": meta + rows}))
+    path.write_text(json.dumps({"meta": dict(gpu="H200", host_pages="runs", **setup), "rows": meta + rows}))
     return str(path)
 
 
@@ -964,6 +964,9 @@ def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_
     stale = saved_run(tmp_path / "c.json", "applied", rounds("native", [100]))
     with pytest.raises(SystemExit, match=r"c\.json: its native variant ran on a tree that is not pristine"):
         transfer_bench.saved_rows([first, stale])
+    huge = saved_run(tmp_path / "d.json", "pristine", rounds("native", [100]), host_hugepages="2MB")
+    with pytest.raises(SystemExit, match=r"a\.json and .*d\.json were measured differently \(host_hugepages None / 2MB\)"):
+        transfer_bench.saved_rows([first, huge])
     sys_argv = sys.argv
     try:
         sys.argv = ["transfer_bench.py", "--table", first, second]

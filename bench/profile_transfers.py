@@ -14,8 +14,10 @@ measures, per case (pool, direction, host layout, tokens, copy-kernel unroll):
   kernels    kernels per operation, and blocks: their distinct grid sizes
 
 events ~ issue > kernel means the host bounds it; events ~ kernel means the kernels do.
-`--unrolls default,1,2` also runs the JIT copy kernels at a forced unroll (1,152-byte MLA
-rows: SGLang 0.5.20 picks 1, patch 0008 2 from 65 rows up), medians of --reps.
+`--unrolls default,1,2` also runs the JIT copy kernels at a forced unroll, every part
+(1,152-byte MLA rows: SGLang 0.5.20 picks 1, patch 0008 2 from 65 rows up; 1,024-byte MHA
+rows: both 2, which fills one block of 1,024 threads up to 64 rows where unroll 1 fills
+two), medians of --reps.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def child(mode: str, reps: int, parts: list[str], unrolls: list[str], tokens: li
             host = kv.host_pool(layout)
             for n in tokens:
                 backup, load, _ = kv.calls(host, n)
-                for unroll in unrolls if part == "mla" else ["default"]:
+                for unroll in unrolls:
                     force_unroll(None if unroll == "default" else int(unroll))
                     for direction, fn in (("backup", backup), ("load", load)):
                         events = tb.cuda_times(fn, reps)

@@ -65,3 +65,19 @@ def test_a_native_copy_that_cannot_be_made_pristine_stops_the_session(patched_si
     assert proc.returncode == 1
     assert f"no pristine SGLang at {pristine} for the native variant" in proc.stderr
     assert not (tmp_path / "out" / "apply.log").exists()  # stopped before anything ran
+
+
+def test_a_native_copy_with_edits_outside_the_series_stops_the_session(patched_site, tmp_path):
+    # scripts/status calls such a tree pristine (none of the series in it) and lists the
+    # edit: not SGLang as shipped, so not the oracle.
+    if not os.environ.get("PRISTINE_SGLANG"):
+        pytest.skip("set by `make test`: PRISTINE_SGLANG, the pristine tree's python/ folder")
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    shutil.copytree(Path(os.environ["PRISTINE_SGLANG"]) / "sglang", pristine / "sglang", symlinks=True)
+    with open(pristine / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py", "a") as handle:
+        handle.write("\nEDITED = True\n")
+    proc = run_session(patched_site, pristine, tmp_path / "out")
+    assert series_state(pristine) == "pristine"
+    assert proc.returncode == 1 and "local edits" in proc.stderr
+    assert not (tmp_path / "out" / "apply.log").exists()

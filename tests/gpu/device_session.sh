@@ -27,13 +27,14 @@ if [ ! -d "$pristine/sglang" ]; then
   mkdir -p "$pristine" && cp -a "$site/sglang" "$pristine/"
 fi
 # The copy is of $site as it stands, which an earlier call may have patched: take the
-# series out (a no-op on a pristine tree), and stop unless the native variant's tree is
-# SGLang as shipped.
+# series out (a no-op on a pristine tree), and stop unless scripts/status finds none of
+# the series in it and no file missing, edited outside the series' hunks, or stray.
 python3 scripts/reverse "$pristine" > "$out/pristine-reverse.log" 2>&1
-python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2>&1
-if ! head -n 1 "$out/pristine-status.txt" | grep -q ": series pristine$"; then
+python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2> "$out/pristine-status.err"
+if ! grep -q "^SGLang .*: series pristine$" "$out/pristine-status.txt" \
+    || grep -qE "^(missing|local edits|foreign)" "$out/pristine-status.txt"; then
   echo "no pristine SGLang at $pristine for the native variant:" >&2
-  cat "$out/pristine-reverse.log" "$out/pristine-status.txt" >&2
+  cat "$out/pristine-reverse.log" "$out/pristine-status.txt" "$out/pristine-status.err" >&2
   exit 1
 fi
 if [ -n "${HUGEPAGES_2MB:-}" ]; then
@@ -42,7 +43,7 @@ if [ -n "${HUGEPAGES_2MB:-}" ]; then
 fi
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has unpatched; then
-  PYTHONPATH=$pristine:$PYTHONPATH GPU_TRIPS=${UNPATCHED_TRIPS:-10} GPU_RESULTS=$out/unpatched.jsonl \
+  PYTHONPATH=$pristine${PYTHONPATH:+:$PYTHONPATH} GPU_TRIPS=${UNPATCHED_TRIPS:-10} GPU_RESULTS=$out/unpatched.jsonl \
     bash tests/gpu/run_tier.sh --tb=line -rf > "$out/unpatched.log" 2>&1
   echo "unpatched tier exit: $?" >> "$out/unpatched.log"
 fi

@@ -569,9 +569,11 @@ class PoolBench:
         if key not in self.stage:
             self.stage[key] = []
             for t in self.host_tensors():
-                shape = (self.geom.layers, PAGE + tokens, *t.shape[2:])
-                buffer = torch.empty(shape, dtype=t.dtype, pin_memory=DEVICE == "cuda")
-                self.stage[key].append(buffer.copy_(random_bytes(shape, t.dtype, DEVICE)))
+                buffer = torch.empty((self.geom.layers, PAGE + tokens, *t.shape[2:]), dtype=t.dtype,
+                                     pin_memory=DEVICE == "cuda")
+                for layer in buffer:   # a layer at a time: no device copy of the whole buffer
+                    layer.copy_(random_bytes(layer.shape, t.dtype, DEVICE))
+                self.stage[key].append(buffer)
         return self.stage[key]
 
     def _copies(self, spec, tokens):
@@ -712,6 +714,8 @@ class PoolBench:
         if DEVICE == "cuda" and not self.dry:
             import torch
             torch.cuda.empty_cache()
+            # torch keeps freed pinned buffers (the dense source's) for reuse: give them back
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 # ---------------------------------------------------------------------------------------

@@ -166,10 +166,15 @@ def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_lo
 
 
 def series_applied(site: str) -> str:
-    """What scripts/status says of the tree this child imports."""
+    """What scripts/status says of the tree this child imports: its first line, then any
+    files it finds missing, edited outside the series' hunks, or left by a patch tool."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "status"), site],
                           capture_output=True, text=True)
-    return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else proc.stderr.strip()[-200:]
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        return proc.stderr.strip()[-200:]
+    notes = [line for line in lines[1:] if line.startswith(("missing:", "local edits", "foreign:"))]
+    return "; ".join(lines[:1] + notes)
 
 
 def import_sglang(mode: str):
@@ -212,7 +217,9 @@ def required_series_state(mode: str) -> str:
 def meta_row(mode: str, sglang) -> dict:
     """Which SGLang tree a child imports, and what scripts/status says of it. A tree in
     another state than the variant needs stops the child: a native variant timed on a
-    patched tree would compare the series with itself."""
+    patched tree would compare the series with itself. The state covers the files the
+    series touches; status's notes of missing, edited or stray files (series_applied)
+    also stop it."""
     status = series_applied(os.path.dirname(os.path.dirname(sglang.__file__)))
     want = required_series_state(mode)
     if not status.endswith(f": series {want}"):
@@ -640,10 +647,14 @@ class ServingChild:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout or self.REPLY_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            silent = self.proc.poll() is None
+            silent = not ready   # no reply in time; an end of its output is a child that ended
             if silent:
                 self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:   # it closed its output but lives on
+                self.proc.kill()
+                self.proc.wait()
             self.log.seek(0)
             print(self.log.read()[-4000:].decode(errors="replace"), file=sys.stderr)
             raise SystemExit(f"{self.mode}: benchmark child "
@@ -706,29 +717,40 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
     return rows
 
 
-# What must be the same in runs that --table pools: what was measured, and on what.
-POOLED_ALIKE = ("gpu", "torch", "page_size", "host_pages", "host_hugepages")
+# What must be the same in runs that --table pools: what was measured, on what and how
+# it was scheduled. Repetitions and profiled runs per cell say how precisely each round
+# was timed, not what: runs that differ in them pool.
+POOLED_ALIKE = ("gpu", "torch", "page_size", "host_pages", "host_hugepages", "cell_by_cell")
+
+
+def run_setup(meta: dict) -> dict:
+    # --cell-by-cell was named --interleave in the first runs that used it
+    return {k: meta.get(k, meta.get("interleave") if k == "cell_by_cell" else None) for k in POOLED_ALIKE}
 
 
 def saved_rows(paths: list[str]) -> list[dict]:
     """--table: the rows of saved runs, pooled (table() takes each cell's median over all
-    their rounds). Runs measured differently (POOLED_ALIKE) are not pooled, and a run whose
-    variant ran on a tree in the wrong series state (saved before children checked it)
-    stops the pooling: it would count the series as native."""
+    their rounds). Runs measured differently (POOLED_ALIKE) are not pooled, nor a run with
+    a variant whose tree is not on record in the state it needs (a run saved before
+    children checked it): a patched native would compare the series with itself, a
+    pristine patched variant time SGLang as shipped."""
     rows, first = [], None
     for path in paths:
         with open(path) as handle:
             data = json.load(handle)
-        setup = {k: data["meta"].get(k) for k in POOLED_ALIKE}
+        if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
+            raise SystemExit(f"{path}: not a transfer_bench.py --out file (no meta and rows)")
+        setup = run_setup(data["meta"])
         first = first or (path, setup)
         if setup != first[1]:
             differ = ", ".join(f"{k} {first[1][k]} / {setup[k]}" for k in POOLED_ALIKE if setup[k] != first[1][k])
             raise SystemExit(f"{first[0]} and {path} were measured differently ({differ}): pool alike runs only")
-        for r in data["rows"]:
-            want = required_series_state(r["mode"]) if r.get("pool") == "meta" else None
-            if want and not str(r.get("series_applied")).endswith(f": series {want}"):
-                raise SystemExit(f"{path}: its {r['mode']} variant ran on a tree that is not {want} "
-                                 f"({r.get('series_applied')}); leave this run out")
+        trees = {r["mode"]: str(r.get("series_applied")) for r in data["rows"] if r.get("pool") == "meta"}
+        for mode in sorted({r["mode"] for r in data["rows"] if r.get("pool") not in ("meta", "link")}):
+            want = required_series_state(mode)
+            if not trees.get(mode, "").endswith(f": series {want}"):
+                raise SystemExit(f"{path}: its {mode} variant's tree is not on record as {want} "
+                                 f"({trees.get(mode, 'no record')}); leave this run out")
         rows += data["rows"]
     return rows
 

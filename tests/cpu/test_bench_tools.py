@@ -149,6 +149,11 @@ def test_link_paths_dry_run_has_a_row_for_every_path(tmp_path, capsys):
     assert "sglang staged write-back, consecutive host pages, one stream" in {s.name for s in wanted}
     assert [(r["path"], r["repeat"]) for r in data["footprint"]] == [
         (spec.name, repeat) for repeat in range(3) for spec in wanted]
+    assert ("load", "direct per-layer kernel bq=4 u=2, dense pinned source") in paths
+    specs = link_paths.path_specs(16384, [2, 4], [2, 4], staged_overlaps=True)
+    assert len({s.name for s in specs}) == len(specs)   # a row's path names what ran
+    assert [(s.quota, s.unroll) for s in specs if s.host_pages == "dense"] == [(2, 2), (4, 2)]
+    assert not any(s.host_pages == "dense" for s in link_paths.path_specs(1024, [2], [2]))
     printed = capsys.readouterr().out
     assert data["meta"]["dry_run"] is True and "| MHA | backup |" in printed
     assert "Footprint over the repeats" in printed and "| 3 | 1.033 [1.033, 1.033] |" in printed
@@ -229,6 +234,11 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
                 dst.copy_(src)
         monkeypatch.setattr(link_paths, "copy_rows", all_but_the_last_layer)
         assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)
+
+        dense = Spec("load", "direct", "dense", quota=2, unroll=2)   # a load that does nothing must fail
+        for name in ("transfer_hicache_one_layer", "transfer_hicache_one_layer_mla"):
+            monkeypatch.setattr(bench.hc, name, lambda **kwargs: None)
+        assert not bench.check(dense, bench.operation(dense, tokens), plans["dense"][0], tokens)
     finally:
         bench.close()
 
@@ -498,6 +508,18 @@ def test_serving_child_talks_to_its_process_and_shows_its_log_when_it_dies(tmp_p
     ok.receive()
     ok.close()
     assert ok.proc.returncode == 0
+
+
+def test_serving_child_that_closes_its_output_is_reported_as_ended_not_silent(tmp_path, capsys):
+    # An end of its replies is a child that ended (or is ending), whatever the reply
+    # timeout; only a child that says nothing for that long is taken as hung.
+    script = tmp_path / "child.py"
+    script.write_text("import os, sys, time\nprint('closing', file=sys.stderr, flush=True)\n"
+                      "os.close(1)\ntime.sleep(1)\nsys.exit(3)\n")
+    child = transfer_bench.ServingChild(str(script), "native", None, [])
+    with pytest.raises(SystemExit, match=r"native: benchmark child failed \(exit 3\)"):
+        child.receive(timeout=30)
+    assert "closing" in capsys.readouterr().err
 
 
 def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_asked(monkeypatch):
@@ -930,6 +952,20 @@ def test_each_variant_refuses_a_tree_without_the_series_state_it_claims():
         transfer_bench.meta_row("patched-dense", pristine)
 
 
+def test_a_native_tree_edited_outside_the_series_is_refused(tmp_path):
+    # None of the series in it, so scripts/status calls it pristine, and lists the edit.
+    if not os.environ.get("PRISTINE_SGLANG"):
+        pytest.skip("set by `make test`: PRISTINE_SGLANG, the pristine tree's python/ folder")
+    import shutil
+
+    shutil.copytree(Path(os.environ["PRISTINE_SGLANG"]) / "sglang", tmp_path / "pristine" / "sglang", symlinks=True)
+    with open(tmp_path / "pristine" / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py", "a") as handle:
+        handle.write("\nEDITED = True\n")
+    with pytest.raises(SystemExit, match=r"native: needs .*: series pristine; local edits \(outside the series' "
+                                         r"hunks\): sglang/srt/mem_cache/pool_host/mha\.py"):
+        transfer_bench.meta_row("native", sglang_tree(tmp_path / "pristine"))
+
+
 def test_profile_table_names_each_variants_tree():
     rows = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied="status: series pristine"),
             dict(mode="native", pool="MLA", direction="load", host_layout="page_first", batch=64, unroll="default",
@@ -939,11 +975,15 @@ def test_profile_table_names_each_variants_tree():
     assert sum(line.startswith("| native | MLA | load |") for line in lines) == 1
 
 
-def saved_run(path, native_state, rows, **setup):
-    meta = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied=f"SGLang at /p: series {native_state}"),
-            dict(mode="kvcached-contiguous", pool="meta", sglang="/s/sglang",
-                 series_applied="SGLang at /s: series applied")]
-    path.write_text(json.dumps({"meta": dict(gpu="H200", host_pages="runs", **setup), "rows": meta + rows}))
+def saved_run(path, native_state, rows, patched_state="applied", **setup):
+    # the native tree's path holds the word "pristine" whatever its state, as on a GPU machine
+    meta = [dict(mode="native", pool="meta", sglang="/tmp/pristine/sglang",
+                 series_applied=f"SGLang 0.5.20 at /tmp/pristine/sglang: series {native_state}")]
+    meta += [dict(mode=mode, pool="meta", sglang="/site/sglang", series_applied=f"SGLang at /site: series {patched_state}")
+             for mode in ("kvcached-contiguous", "kvcached-per-layer")]
+    setup = dict(gpu="H200", torch="2.11", page_size=64, host_pages="runs", cell_by_cell=True) | setup
+    data = {"meta": {k: v for k, v in setup.items() if v is not None}, "rows": meta + rows}  # None: not saved
+    path.write_text(json.dumps(data))
     return str(path)
 
 
@@ -962,11 +1002,30 @@ def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_
     assert f"lowest GPU-time ratio to native: {105 / 102:.4f} (kvcached-contiguous, MLA load layer_first 64)" in pooled
     assert "over its 2-4 rounds" in pooled and sum(l.startswith("tree: native") for l in pooled.splitlines()) == 1
     stale = saved_run(tmp_path / "c.json", "applied", rounds("native", [100]))
-    with pytest.raises(SystemExit, match=r"c\.json: its native variant ran on a tree that is not pristine"):
+    with pytest.raises(SystemExit, match=r"c\.json: its native variant's tree is not on record as pristine "
+                                         r"\(SGLang 0\.5\.20 at /tmp/pristine/sglang: series applied\)"):
         transfer_bench.saved_rows([first, stale])
-    huge = saved_run(tmp_path / "d.json", "pristine", rounds("native", [100]), host_hugepages="2MB")
-    with pytest.raises(SystemExit, match=r"a\.json and .*d\.json were measured differently \(host_hugepages None / 2MB\)"):
-        transfer_bench.saved_rows([first, huge])
+    for key, value in (("host_hugepages", "2MB"), ("gpu", "H100"), ("torch", "2.9"), ("page_size", 32),
+                       ("host_pages", "random"), ("cell_by_cell", False)):
+        other = saved_run(tmp_path / "d.json", "pristine", rounds("native", [100]), **{key: value})
+        with pytest.raises(SystemExit, match=rf"a\.json and .*d\.json were measured differently \({key} "):
+            transfer_bench.saved_rows([first, other])
+    # --cell-by-cell's first name; repetitions and profiled runs only say how precisely
+    renamed = saved_run(tmp_path / "e.json", "pristine", rounds("native", [100]), cell_by_cell=None, interleave=True,
+                        reps=20, profiles=3)
+    assert len(transfer_bench.saved_rows([first, renamed])) == len(transfer_bench.saved_rows([first])) + 4
+    pristine_patched = saved_run(tmp_path / "f.json", "pristine", rounds("kvcached-per-layer", [100]),
+                                 patched_state="pristine")
+    with pytest.raises(SystemExit, match=r"f\.json: its kvcached-per-layer variant's tree is not on record as applied"):
+        transfer_bench.saved_rows([pristine_patched])
+    unrecorded = tmp_path / "g.json"
+    unrecorded.write_text(json.dumps({"meta": dict(gpu="H200"), "rows": rounds("patched-dense", [100])}))
+    with pytest.raises(SystemExit, match=r"g\.json: its patched-dense variant's tree is not on record as applied "
+                                         r"\(no record\)"):
+        transfer_bench.saved_rows([str(unrecorded)])
+    unrecorded.write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match=r"g\.json: not a transfer_bench.py --out file"):
+        transfer_bench.saved_rows([str(unrecorded)])
     sys_argv = sys.argv
     try:
         sys.argv = ["transfer_bench.py", "--table", first, second]

@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -515,6 +516,24 @@ FAKE_SERVER = textwrap.dedent('''
 ''')
 
 
+def free_port_block(jobs: int) -> int:
+    """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
+    below the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
+    ports, so a block inside that range can be taken between this check and the bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, low - 10 * jobs, 100)
+        try:
+            for port in (p + d for p in range(base, base + 10 * jobs, 10) for d in (0, 1)):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of ports below the ephemeral range")
+
+
 @pytest.fixture
 def fake_trees(tmp_path, monkeypatch):
     for tree, patched in (("pristine", False), ("patched", True)):
@@ -524,9 +543,7 @@ def fake_trees(tmp_path, monkeypatch):
         (pkg / "launch_server.py").write_text(FAKE_SERVER)
     monkeypatch.setattr(e2e, "check_trees", lambda opts: {"pristine": "fake", "patched": "fake"})
     monkeypatch.setattr(e2e, "environment", lambda opts: {"fake": True})
-    with socket.socket() as s:   # a free range of ports
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1] // 100 * 100 % 50000 + 10000
+    port = free_port_block(jobs=3)
     return ["--launcher", "local", "--pristine-path", str(tmp_path / "pristine"),
             "--patched-path", str(tmp_path / "patched"), "--case", "qwen2-tiny", "--host-layout", "page_first",
             "--jobs", "3", "--port", str(port), "--ready-timeout", "20", "--request-timeout", "30"]

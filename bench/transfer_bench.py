@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import select
 import statistics
@@ -751,7 +752,7 @@ def saved_rows(paths: list[str]) -> list[dict]:
             if not trees.get(mode, "").endswith(f": series {want}"):
                 raise SystemExit(f"{path}: its {mode} variant's tree is not on record as {want} "
                                  f"({trees.get(mode, 'no record')}); leave this run out")
-        rows += data["rows"]
+        rows += [dict(r, run=path) for r in data["rows"]]   # rounds pair within their run
     return rows
 
 
@@ -789,10 +790,48 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
     return merged
 
 
+def paired_gpu_ratios(rows: list[dict]) -> dict[tuple, list[float]]:
+    """(variant, pool, direction, host layout, batch) -> native's GPU time over the
+    variant's, round by round: a round times every variant of a cell together (seconds
+    apart with --cell-by-cell), so each ratio meets one stretch of the machine, where the
+    table's ratio of medians pairs rounds that ran apart."""
+    us = {(r["mode"], *(r[k] for k in IDENTITY[1:]), r.get("run"), r["round"]): r["kernel_us"]
+          for r in rows if r.get("kernel_us") and "round" in r and "error" not in r}
+    ratios: dict[tuple, list[float]] = {}
+    for (mode, *cell, run, round_), t in us.items():
+        native = us.get(("native", *cell, run, round_))
+        if mode != "native" and native:
+            ratios.setdefault((mode, *cell), []).append(native / t)
+    return ratios
+
+
+def sign_test(slower: int, rounds: int) -> float:
+    """One-sided sign test: the chance of `slower` or more of `rounds` coin flips."""
+    return sum(math.comb(rounds, k) for k in range(slower, rounds + 1)) / 2 ** rounds
+
+
 def round_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, mode) in the order the children run: every other round reversed, so no
     variant always runs first or last, and none always after the same neighbour."""
     return [(r, m) for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
+
+
+def round_paired_summary(paired: dict[tuple, list[float]]) -> str:
+    """The lowest round-paired median, and the cells a variant lost to native in more of
+    their rounds than chance would have it (sign test, p < 0.05): a ratio under 1.000
+    that is not among them is within what rounds spread."""
+    name = lambda key: f"{key[0]}, {' '.join(map(str, key[1:]))}"
+    low = min(paired, key=lambda key: statistics.median(paired[key]))
+    slower = []
+    for key, ratios in sorted(paired.items(), key=lambda kv: statistics.median(kv[1])):
+        lost = sum(r < 1 for r in ratios)
+        if sign_test(lost, len(ratios)) < 0.05:
+            slower.append(f"{name(key)}: {lost} of {len(ratios)} rounds, median {statistics.median(paired[key]):.4f}")
+    return (f"lowest round-paired GPU-time ratio to native (median): {statistics.median(paired[low]):.4f} "
+            f"({name(low)})\nslower than native in more rounds than chance allows (sign test, p < 0.05): "
+            + ("; ".join(slower) or "none")
+            + ("" if any(sign_test(n, n) < 0.05 for n in map(len, paired.values()))
+               else " (no cell has the 5 rounds this test needs to find one)"))
 
 
 def table(rows: list[dict]) -> str:
@@ -803,6 +842,7 @@ def table(rows: list[dict]) -> str:
     themselves took (native's / the variant's): small batches are bound by the host
     issuing 27-28 per-layer calls, which varies from process to process. Rows of several
     rounds are merged first (merge_rounds)."""
+    paired = paired_gpu_ratios(rows)
     rows = all_rows = merge_rounds(rows)
     errors = [f"{r['mode']} {r['pool']}: {r['error']}" for r in rows if "error" in r]
     trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
@@ -839,6 +879,8 @@ def table(rows: list[dict]) -> str:
     if gpu_ratios:   # the table's two decimals round 0.995 up to 1.00
         low, variant, key = min(gpu_ratios)
         lines.append(f"lowest GPU-time ratio to native: {low:.4f} ({variant}, {' '.join(map(str, key))})")
+    if any(len(r) > 1 for r in paired.values()):
+        lines.append(round_paired_summary(paired))
     lines += [f"not measured: {e}" for e in errors]
     checks = [r for r in all_rows if "byte_exact" in r]
     bad = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in checks if not r["byte_exact"]]

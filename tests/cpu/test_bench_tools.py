@@ -987,6 +987,42 @@ def saved_run(path, native_state, rows, patched_state="applied", **setup):
     return str(path)
 
 
+def test_table_pairs_each_round_with_natives_and_names_cells_lost_in_more_rounds_than_chance(tmp_path):
+    def rounds(mode, times, batch):
+        return [dict(row(mode, 5.0, kernel_us=t, batch=batch), round=i) for i, t in enumerate(times)]
+    # batch 64: contig 1 us slower in all 3 rounds of each run, 6 of 6 pooled (p = 1/64);
+    # batch 256: per-layer slower in 3 of 6 rounds (chance), faster in the others;
+    # batch 1024: contig as fast as native in every round, which is not slower
+    runs = [saved_run(tmp_path / f"{name}.json", "pristine",
+                      rounds("native", [100, 100, 100], 64) + rounds("kvcached-contiguous", [101, 101, 101], 64)
+                      + rounds("native", [100, 100, 100], 256) + rounds("kvcached-per-layer", per_layer, 256)
+                      + rounds("native", [100, 100, 100], 1024) + rounds("kvcached-contiguous", [100, 100, 100], 1024))
+            for name, per_layer in (("a", [101, 101, 101]), ("b", [99, 99, 99]))]
+    paired = transfer_bench.paired_gpu_ratios(transfer_bench.saved_rows(runs))
+    assert set(paired) == {("kvcached-contiguous", "MLA", "load", "layer_first", 64),
+                           ("kvcached-per-layer", "MLA", "load", "layer_first", 256),
+                           ("kvcached-contiguous", "MLA", "load", "layer_first", 1024)}
+    assert paired[("kvcached-contiguous", "MLA", "load", "layer_first", 64)] == [100 / 101] * 6
+    lines = transfer_bench.table(transfer_bench.saved_rows(runs)).splitlines()
+    # per-layer's round-paired median is (100/101 + 100/99) / 2, above contig's 100/101
+    assert f"lowest round-paired GPU-time ratio to native (median): {100 / 101:.4f} (kvcached-contiguous, " \
+           "MLA load layer_first 64)" in lines
+    assert ("slower than native in more rounds than chance allows (sign test, p < 0.05): kvcached-contiguous, "
+            f"MLA load layer_first 64: 6 of 6 rounds, median {100 / 101:.4f}") in lines
+    # one run alone: 3 rounds a cell, too few for the test to find anything
+    alone = transfer_bench.table(transfer_bench.saved_rows(runs[:1]))
+    assert "p < 0.05): none (no cell has the 5 rounds this test needs to find one)" in alone
+    # a one-round run has nothing to pair within a cell
+    one_round = rounds("native", [100], 64) + rounds("kvcached-contiguous", [101], 64)
+    assert "round-paired" not in transfer_bench.table(one_round)
+    # rounds pair with native's own round: native's slow round meets the variant's slow round
+    swings = rounds("native", [100, 200, 100, 200, 100], 64) + rounds("kvcached-contiguous", [99, 198, 99, 198, 99], 64)
+    assert transfer_bench.paired_gpu_ratios(swings)[("kvcached-contiguous", "MLA", "load", "layer_first", 64)] == \
+        [100 / 99, 200 / 198] * 2 + [100 / 99]
+    assert "p < 0.05): none" in transfer_bench.table(swings)
+    assert [transfer_bench.sign_test(k, n) for k, n in ((5, 5), (0, 7), (12, 15))] == [1 / 32, 1.0, 576 / 2 ** 15]
+
+
 def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_path, capsys):
     # Two runs of one cell: the pooled table takes the median GPU time over all four rounds
     # (native 100, 104, 106, 110 -> 105; contig 100, 100, 104, 130 -> 102): 105 / 102.

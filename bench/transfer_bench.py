@@ -26,6 +26,9 @@ JSON; bench/plot.py draws it.
 With --cell-by-cell the children stay up, one per variant, and the parent asks them for
 one cell at a time: all rounds of all variants of a cell, then the next cell, so a cell's
 variants are timed seconds apart instead of one whole run after another.
+--table FILES pools saved runs measured alike: each cell's median over all their rounds,
+then native's GPU time over each variant's round by round, with a sign test naming the
+cells a variant lost in more rounds than chance allows.
 
 MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
 one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as

@@ -518,12 +518,14 @@ FAKE_SERVER = textwrap.dedent('''
 
 def free_port_block(jobs: int) -> int:
     """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
-    below the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
+    outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
     ports, so a block inside that range can be taken between this check and the bind."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    # below the range where it leaves room (Linux's default starts at 32768), else above it
+    first, last = (10000, low - 10 * jobs) if low - 10 * jobs > 10000 else (high + 1, 65536 - 10 * jobs)
     rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, low - 10 * jobs, 100)
+    for _ in range(200 if first < last else 0):
+        base = rng.randrange(first, last, 100)
         try:
             for port in (p + d for p in range(base, base + 10 * jobs, 10) for d in (0, 1)):
                 with socket.socket() as s:
@@ -531,7 +533,7 @@ def free_port_block(jobs: int) -> int:
         except OSError:
             continue
         return base
-    raise RuntimeError("no free block of ports below the ephemeral range")
+    raise RuntimeError(f"no free block of ports in {first}-{last}, outside the ephemeral range {low}-{high}")
 
 
 @pytest.fixture

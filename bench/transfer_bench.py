@@ -738,8 +738,11 @@ def saved_rows(paths: list[str]) -> list[dict]:
     a variant whose tree is not on record in the state it needs (a run saved before
     children checked it): a patched native would compare the series with itself, a
     pristine patched variant time SGLang as shipped."""
-    rows, first = [], None
+    rows, first, seen = [], None, set()
     for path in paths:
+        if os.path.realpath(path) in seen:   # its rounds would count twice
+            raise SystemExit(f"{path}: given twice")
+        seen.add(os.path.realpath(path))
         with open(path) as handle:
             data = json.load(handle)
         if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
@@ -755,7 +758,7 @@ def saved_rows(paths: list[str]) -> list[dict]:
             if not trees.get(mode, "").endswith(f": series {want}"):
                 raise SystemExit(f"{path}: its {mode} variant's tree is not on record as {want} "
                                  f"({trees.get(mode, 'no record')}); leave this run out")
-        rows += [dict(r, run=path) for r in data["rows"]]   # rounds pair within their run
+        rows += [dict(r, run=path) for r in with_process_sets(data["rows"], data["meta"])]   # rounds pair within their run
     return rows
 
 
@@ -793,48 +796,71 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
     return merged
 
 
-def paired_gpu_ratios(rows: list[dict]) -> dict[tuple, list[float]]:
-    """(variant, pool, direction, host layout, batch) -> native's GPU time over the
-    variant's, round by round: a round times every variant of a cell together (seconds
-    apart with --cell-by-cell), so each ratio meets one stretch of the machine, where the
-    table's ratio of medians pairs rounds that ran apart."""
-    us = {(r["mode"], *(r[k] for k in IDENTITY[1:]), r.get("run"), r["round"]): r["kernel_us"]
-          for r in rows if r.get("kernel_us") and "round" in r and "error" not in r}
-    ratios: dict[tuple, list[float]] = {}
-    for (mode, *cell, run, round_), t in us.items():
-        native = us.get(("native", *cell, run, round_))
+def process_set(meta: dict, round_: int) -> int:
+    """Which set of fresh children timed a round: --cell-by-cell keeps one set up for
+    --rounds rounds (--process-sets starts the next), a whole run starts fresh children
+    every round."""
+    cell_by_cell = meta.get("cell_by_cell", meta.get("interleave"))
+    return round_ // (meta.get("rounds") or 1) if cell_by_cell else round_
+
+
+def with_process_sets(rows: list[dict], meta: dict) -> list[dict]:
+    return [dict(r, process_set=process_set(meta, r["round"])) if "round" in r else r for r in rows]
+
+
+def paired_gpu_ratios(rows: list[dict]) -> dict[tuple, dict[tuple, list[float]]]:
+    """(variant, pool, direction, host layout, batch) -> {(run, process set): native's GPU
+    time over the variant's, round by round}. A round times every variant of a cell
+    together (seconds apart with --cell-by-cell), so each ratio meets one state of the
+    GPU and host, where the table's ratio of medians pairs rounds that ran apart."""
+    us = {(r["mode"], *(r[k] for k in IDENTITY[1:]), r.get("run"), r.get("process_set"), r["round"]): r["kernel_us"]
+          for r in rows if r.get("kernel_us") and "round" in r}
+    ratios: dict[tuple, dict[tuple, list[float]]] = {}
+    for (mode, *cell, run, set_, round_), t in us.items():
+        native = us.get(("native", *cell, run, set_, round_))
         if mode != "native" and native:
-            ratios.setdefault((mode, *cell), []).append(native / t)
+            ratios.setdefault((mode, *cell), {}).setdefault((run, set_), []).append(native / t)
     return ratios
 
 
-def sign_test(slower: int, rounds: int) -> float:
-    """One-sided sign test: the chance of `slower` or more of `rounds` coin flips."""
-    return sum(math.comb(rounds, k) for k in range(slower, rounds + 1)) / 2 ** rounds
+def sign_test(slower: int, faster: int) -> float:
+    """One-sided sign test, ties left out: the chance that `slower` or more of
+    slower + faster fair coin flips come up slower."""
+    n = slower + faster
+    return sum(math.comb(n, k) for k in range(slower, n + 1)) / 2 ** n
+
+
+def round_paired_summary(paired: dict[tuple, dict[tuple, list[float]]]) -> str:
+    """The lowest round-paired median, and the cells a variant lost to native in more sets
+    of processes than chance would have it. Rounds of one set are not independent (a slow
+    process stays slow for minutes), so the test takes each set's median ratio as one
+    trial: one-sided sign test, p < 0.05, which needs 5 sets a cell."""
+    def name(key):
+        return f"{key[0]}, {' '.join(map(str, key[1:]))}"
+
+    def median(key):
+        return statistics.median(r for rounds in paired[key].values() for r in rounds)
+    def flagged(n):   # the chance that a cell of n untied sets is named when no variant is slower
+        return sum(math.comb(n, k) for k in range(n + 1) if sign_test(k, n - k) < 0.05) / 2 ** n
+    low = min(paired, key=median)
+    slower, sets, by_chance = [], 0, 0.0
+    for key in sorted(paired, key=median):
+        per_set = [statistics.median(rounds) for rounds in paired[key].values()]
+        lost, won = sum(r < 1 for r in per_set), sum(r > 1 for r in per_set)
+        sets, by_chance = max(sets, len(per_set)), by_chance + flagged(lost + won)
+        if sign_test(lost, won) < 0.05:
+            slower.append(f"{name(key)}: {lost} of {len(per_set)} sets, median {median(key):.4f}")
+    return (f"lowest round-paired GPU-time ratio to native (median): {median(low):.4f} ({name(low)})\n"
+            "slower than native in more sets of processes than chance allows (each set's median, "
+            "sign test, p < 0.05): " + ("; ".join(slower) or "none")
+            + (f" (of {len(paired)} cells; chance alone would name {by_chance:.1f})" if sets >= 5 else
+               f" (the test needs 5 sets of processes a cell; these runs have {sets})"))
 
 
 def round_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, mode) in the order the children run: every other round reversed, so no
     variant always runs first or last, and none always after the same neighbour."""
     return [(r, m) for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
-
-
-def round_paired_summary(paired: dict[tuple, list[float]]) -> str:
-    """The lowest round-paired median, and the cells a variant lost to native in more of
-    their rounds than chance would have it (sign test, p < 0.05): a ratio under 1.000
-    that is not among them is within what rounds spread."""
-    name = lambda key: f"{key[0]}, {' '.join(map(str, key[1:]))}"
-    low = min(paired, key=lambda key: statistics.median(paired[key]))
-    slower = []
-    for key, ratios in sorted(paired.items(), key=lambda kv: statistics.median(kv[1])):
-        lost = sum(r < 1 for r in ratios)
-        if sign_test(lost, len(ratios)) < 0.05:
-            slower.append(f"{name(key)}: {lost} of {len(ratios)} rounds, median {statistics.median(paired[key]):.4f}")
-    return (f"lowest round-paired GPU-time ratio to native (median): {statistics.median(paired[low]):.4f} "
-            f"({name(low)})\nslower than native in more rounds than chance allows (sign test, p < 0.05): "
-            + ("; ".join(slower) or "none")
-            + ("" if any(sign_test(n, n) < 0.05 for n in map(len, paired.values()))
-               else " (no cell has the 5 rounds this test needs to find one)"))
 
 
 def table(rows: list[dict]) -> str:
@@ -882,7 +908,7 @@ def table(rows: list[dict]) -> str:
     if gpu_ratios:   # the table's two decimals round 0.995 up to 1.00
         low, variant, key = min(gpu_ratios)
         lines.append(f"lowest GPU-time ratio to native: {low:.4f} ({variant}, {' '.join(map(str, key))})")
-    if any(len(r) > 1 for r in paired.values()):
+    if any(sum(map(len, sets.values())) > 1 for sets in paired.values()):
         lines.append(round_paired_summary(paired))
     lines += [f"not measured: {e}" for e in errors]
     checks = [r for r in all_rows if "byte_exact" in r]
@@ -1001,7 +1027,7 @@ def main():
             rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
             save(rows)
     save(rows)
-    print(table(rows))
+    print(table(with_process_sets(rows, meta)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -980,47 +981,71 @@ def saved_run(path, native_state, rows, patched_state="applied", **setup):
     meta = [dict(mode="native", pool="meta", sglang="/tmp/pristine/sglang",
                  series_applied=f"SGLang 0.5.20 at /tmp/pristine/sglang: series {native_state}")]
     meta += [dict(mode=mode, pool="meta", sglang="/site/sglang", series_applied=f"SGLang at /site: series {patched_state}")
-             for mode in ("kvcached-contiguous", "kvcached-per-layer")]
+             for mode in ("patched-dense", "kvcached-contiguous", "kvcached-per-layer")]
     setup = dict(gpu="H200", torch="2.11", page_size=64, host_pages="runs", cell_by_cell=True) | setup
     data = {"meta": {k: v for k, v in setup.items() if v is not None}, "rows": meta + rows}  # None: not saved
     path.write_text(json.dumps(data))
     return str(path)
 
 
-def test_table_pairs_each_round_with_natives_and_names_cells_lost_in_more_rounds_than_chance(tmp_path):
-    def rounds(mode, times, batch):
-        return [dict(row(mode, 5.0, kernel_us=t, batch=batch), round=i) for i, t in enumerate(times)]
-    # batch 64: contig 1 us slower in all 3 rounds of each run, 6 of 6 pooled (p = 1/64);
-    # batch 256: per-layer slower in 3 of 6 rounds (chance), faster in the others;
-    # batch 1024: contig as fast as native in every round, which is not slower
-    runs = [saved_run(tmp_path / f"{name}.json", "pristine",
-                      rounds("native", [100, 100, 100], 64) + rounds("kvcached-contiguous", [101, 101, 101], 64)
-                      + rounds("native", [100, 100, 100], 256) + rounds("kvcached-per-layer", per_layer, 256)
-                      + rounds("native", [100, 100, 100], 1024) + rounds("kvcached-contiguous", [100, 100, 100], 1024))
-            for name, per_layer in (("a", [101, 101, 101]), ("b", [99, 99, 99]))]
+def test_table_pairs_rounds_with_natives_and_tests_cells_over_sets_of_processes(tmp_path):
+    # Three runs, each two sets of fresh children of two rounds (--rounds 2 --process-sets
+    # 2): rounds 0-1 are the first set, 2-3 the second, so six sets a cell in all.
+    def timed(mode, batch, sets):   # sets: each set's two rounds' GPU times
+        return [dict(row(mode, 5.0, kernel_us=t, batch=batch), round=2 * k + i)
+                for k, pair in enumerate(sets) for i, t in enumerate(pair)]
+    cell = lambda mode, batch: (mode, "MLA", "load", "layer_first", batch)
+
+    def run(name, native, contig_64, per_layer_256, dense_4096):
+        rows = [r for batch in (64, 256, 1024, 4096, 65536) for r in timed("native", batch, [[native] * 2] * 2)]
+        rows += timed("kvcached-contiguous", 64, [[contig_64] * 2] * 2)     # slower in every set
+        rows += timed("kvcached-per-layer", 256, per_layer_256)
+        rows += timed("kvcached-contiguous", 1024, [[native] * 2] * 2)      # ties: not slower
+        rows += timed("patched-dense", 4096, dense_4096)
+        rows += timed("kvcached-per-layer", 65536, [[native * 1.01, native * 1.02]] * 2)   # slower in every set
+        return saved_run(tmp_path / f"{name}.json", "pristine", rows, rounds=2)
+    runs = [run("a", 100, 100.5, [[99, 99], [99, 99]], [[100.5] * 2] * 2),
+            # native takes twice as long in this run: its variants pair with its own native
+            run("b", 200, 201, [[198, 198], [202, 202]], [[201] * 2] * 2),
+            # dense is slower in 10 of 12 rounds but in 4 of 6 sets: a slow set is one trial
+            run("c", 100, 100.5, [[99, 99], [300, 99]], [[100.5, 90], [100.5, 90]])]
     paired = transfer_bench.paired_gpu_ratios(transfer_bench.saved_rows(runs))
-    assert set(paired) == {("kvcached-contiguous", "MLA", "load", "layer_first", 64),
-                           ("kvcached-per-layer", "MLA", "load", "layer_first", 256),
-                           ("kvcached-contiguous", "MLA", "load", "layer_first", 1024)}
-    assert paired[("kvcached-contiguous", "MLA", "load", "layer_first", 64)] == [100 / 101] * 6
+    assert set(paired) == {cell("kvcached-contiguous", 64), cell("kvcached-per-layer", 256),
+                           cell("kvcached-contiguous", 1024), cell("patched-dense", 4096),
+                           cell("kvcached-per-layer", 65536)}
+    assert [len(sets) for sets in paired.values()] == [6] * 5
+    assert sorted(r for sets in paired[cell("kvcached-contiguous", 64)].values() for r in sets) == \
+        [100 / 100.5] * 8 + [200 / 201] * 4
     lines = transfer_bench.table(transfer_bench.saved_rows(runs)).splitlines()
-    # per-layer's round-paired median is (100/101 + 100/99) / 2, above contig's 100/101
-    assert f"lowest round-paired GPU-time ratio to native (median): {100 / 101:.4f} (kvcached-contiguous, " \
-           "MLA load layer_first 64)" in lines
-    assert ("slower than native in more rounds than chance allows (sign test, p < 0.05): kvcached-contiguous, "
-            f"MLA load layer_first 64: 6 of 6 rounds, median {100 / 101:.4f}") in lines
-    # one run alone: 3 rounds a cell, too few for the test to find anything
-    alone = transfer_bench.table(transfer_bench.saved_rows(runs[:1]))
-    assert "p < 0.05): none (no cell has the 5 rounds this test needs to find one)" in alone
+    # per-layer 256's ratios are 9 x 100/99, 2 x 100/101 and 1/3: its median 100/99, its
+    # mean the lowest of all; the lowest median is per-layer 65536's
+    low = statistics.median([1 / 1.01, 1 / 1.02] * 6)
+    assert f"lowest round-paired GPU-time ratio to native (median): {low:.4f} (kvcached-per-layer, " \
+           "MLA load layer_first 65536)" in lines
+    # two cells slower in 6 of 6 sets, in the order of their medians; four cells with six
+    # untied sets and one of ties: chance alone names 4 / 64 of a cell
+    assert ("slower than native in more sets of processes than chance allows (each set's median, sign test, "
+            f"p < 0.05): kvcached-per-layer, MLA load layer_first 65536: 6 of 6 sets, median {low:.4f}; "
+            f"kvcached-contiguous, MLA load layer_first 64: 6 of 6 sets, median {100 / 100.5:.4f} "
+            "(of 5 cells; chance alone would name 0.1)") in lines
+    # one run alone: two sets a cell, too few for the test
+    assert lines_of(transfer_bench.table(transfer_bench.saved_rows(runs[:1])), "slower than native")[0].endswith(
+        "p < 0.05): none (the test needs 5 sets of processes a cell; these runs have 2)")
+    # five sets, a round each (a whole run starts fresh children every round): enough
+    whole = saved_run(tmp_path / "w.json", "pristine", timed("native", 64, [[100]] * 5)
+                      + timed("kvcached-contiguous", 64, [[101]] * 5), cell_by_cell=False, rounds=5)
+    assert lines_of(transfer_bench.table(transfer_bench.saved_rows([whole])), "slower than native")[0].endswith(
+        f"median {100 / 101:.4f} (of 1 cells; chance alone would name 0.0)")
     # a one-round run has nothing to pair within a cell
-    one_round = rounds("native", [100], 64) + rounds("kvcached-contiguous", [101], 64)
-    assert "round-paired" not in transfer_bench.table(one_round)
-    # rounds pair with native's own round: native's slow round meets the variant's slow round
-    swings = rounds("native", [100, 200, 100, 200, 100], 64) + rounds("kvcached-contiguous", [99, 198, 99, 198, 99], 64)
-    assert transfer_bench.paired_gpu_ratios(swings)[("kvcached-contiguous", "MLA", "load", "layer_first", 64)] == \
-        [100 / 99, 200 / 198] * 2 + [100 / 99]
-    assert "p < 0.05): none" in transfer_bench.table(swings)
-    assert [transfer_bench.sign_test(k, n) for k, n in ((5, 5), (0, 7), (12, 15))] == [1 / 32, 1.0, 576 / 2 ** 15]
+    assert "round-paired" not in transfer_bench.table(timed("native", 64, [[100]]) + timed("kvcached-contiguous", 64, [[101]]))
+    # a run given twice would count its rounds twice
+    with pytest.raises(SystemExit, match=r"a\.json: given twice"):
+        transfer_bench.saved_rows([runs[0], runs[1], str(tmp_path / "." / "a.json")])
+    assert [transfer_bench.sign_test(k, n - k) for k, n in ((5, 5), (0, 7), (12, 15))] == [1 / 32, 1.0, 576 / 2 ** 15]
+
+
+def lines_of(text, start):
+    return [line for line in text.splitlines() if line.startswith(start)]
 
 
 def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_path, capsys):
@@ -1049,7 +1074,7 @@ def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_
     # --cell-by-cell's first name; repetitions and profiled runs only say how precisely
     renamed = saved_run(tmp_path / "e.json", "pristine", rounds("native", [100]), cell_by_cell=None, interleave=True,
                         reps=20, profiles=3)
-    assert len(transfer_bench.saved_rows([first, renamed])) == len(transfer_bench.saved_rows([first])) + 4
+    assert len(transfer_bench.saved_rows([first, renamed])) == len(transfer_bench.saved_rows([first])) + 5   # 4 meta rows, 1 timed
     pristine_patched = saved_run(tmp_path / "f.json", "pristine", rounds("kvcached-per-layer", [100]),
                                  patched_state="pristine")
     with pytest.raises(SystemExit, match=r"f\.json: its kvcached-per-layer variant's tree is not on record as applied"):

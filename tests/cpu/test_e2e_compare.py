@@ -516,24 +516,35 @@ FAKE_SERVER = textwrap.dedent('''
 ''')
 
 
-def free_port_block(jobs: int) -> int:
+def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
     """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
     outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
     ports, so a block inside that range can be taken between this check and the bind."""
-    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    # below the range where it leaves room (Linux's default starts at 32768), else above it
-    first, last = (10000, low - 10 * jobs) if low - 10 * jobs > 10000 else (high + 1, 65536 - 10 * jobs)
+    low, high = ephemeral or map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    span = 10 * jobs
+    bases = [*range(10000, low - span, 100), *range(-(-(high + 1) // 100) * 100, 65536 - span, 100)]
+    if not bases:
+        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no block of {span} ports outside it")
     rng = random.Random()
-    for _ in range(200 if first < last else 0):
-        base = rng.randrange(first, last, 100)
+    for _ in range(200):
+        base = rng.choice(bases)
         try:
-            for port in (p + d for p in range(base, base + 10 * jobs, 10) for d in (0, 1)):
+            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1)):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
         except OSError:
             continue
         return base
-    raise RuntimeError(f"no free block of ports in {first}-{last}, outside the ephemeral range {low}-{high}")
+    raise RuntimeError(f"no free block of {span} ports outside the ephemeral range {low}-{high} in 200 tries")
+
+
+def test_stand_in_ports_lie_outside_the_ephemeral_range():
+    for ephemeral in ((32768, 60999), (1024, 60999), (10100, 65000)):
+        base = free_port_block(3, ephemeral)
+        assert base + 30 <= ephemeral[0] or base > ephemeral[1], (ephemeral, base)
+    assert free_port_block(3, (1024, 60999)) > 60999   # no room below: above it
+    with pytest.raises(RuntimeError, match="the ephemeral port range 1024-65535 leaves no block of 30 ports"):
+        free_port_block(3, (1024, 65535))
 
 
 @pytest.fixture

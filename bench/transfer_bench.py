@@ -805,6 +805,7 @@ def process_set(meta: dict, round_: int) -> int:
 
 
 def with_process_sets(rows: list[dict], meta: dict) -> list[dict]:
+    """Each timed round's rows, told which set of processes timed them (process_set)."""
     return [dict(r, process_set=process_set(meta, r["round"])) if "round" in r else r for r in rows]
 
 
@@ -840,6 +841,7 @@ def round_paired_summary(paired: dict[tuple, dict[tuple, list[float]]]) -> str:
 
     def median(key):
         return statistics.median(r for rounds in paired[key].values() for r in rounds)
+
     def flagged(n):   # the chance that a cell of n untied sets is named when no variant is slower
         return sum(math.comb(n, k) for k in range(n + 1) if sign_test(k, n - k) < 0.05) / 2 ** n
     low = min(paired, key=median)

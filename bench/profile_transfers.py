@@ -92,7 +92,7 @@ def child(mode: str, reps: int, parts: list[str], unrolls: list[str], tokens: li
 def table(rows):
     lines = ["| variant | pool | dir | layout | tokens | unroll | events us | issue us | kernel us "
              "| span us | kernels | copies | blocks |", "|---|---|---|---|---:|---|" + "---:|" * 7]
-    trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
+    trees = tb.tree_lines(rows)
     for r in rows:
         if r.get("pool") == "meta":
             continue

@@ -28,7 +28,7 @@ one cell at a time: all rounds of all variants of a cell, then the next cell, so
 variants are timed seconds apart instead of one whole run after another.
 --table FILES pools saved runs measured alike: each cell's median over all their rounds,
 then native's GPU time over each variant's round by round, with a sign test naming the
-cells a variant lost in more rounds than chance allows.
+cells a variant lost in more sets of processes than chance allows.
 
 MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
 one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as
@@ -865,6 +865,11 @@ def round_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     return [(r, m) for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
 
 
+def tree_lines(rows: list[dict]) -> list[str]:
+    """Each variant's SGLang tree and what scripts/status said of it (its meta row)."""
+    return [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
+
+
 def table(rows: list[dict]) -> str:
     """GB/s per variant, each variant's ratio to native, and each variant's share of the
     link (the pinned copy's GB/s in that direction).
@@ -876,7 +881,7 @@ def table(rows: list[dict]) -> str:
     paired = paired_gpu_ratios(rows)
     rows = all_rows = merge_rounds(rows)
     errors = [f"{r['mode']} {r['pool']}: {r['error']}" for r in rows if "error" in r]
-    trees = [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
+    trees = tree_lines(rows)
     rows = [r for r in rows if "GBps" in r]
     link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
     by = {(r["mode"], r["pool"], r["direction"], r["host_layout"], r["batch"]): r["GBps"] for r in rows}

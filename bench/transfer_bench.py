@@ -29,6 +29,8 @@ variants are timed seconds apart instead of one whole run after another.
 --table FILES pools saved runs measured alike: each cell's median over all their rounds,
 then native's GPU time over each variant's round by round, with a sign test naming the
 cells a variant lost in more sets of processes than chance allows.
+--tokens 64,16384 times those batches only (each pool sized for the largest), so that a
+few cells can be repeated in many sets of processes.
 
 MTP drafts (--parts mtp-mha,mtp-mla; not in the default run): the target's pool plus one
 one-layer draft pool packed into the target's host pool (mtp_draft_device_pools), as
@@ -253,7 +255,8 @@ def measure(cell, reps: int, profiles: int = 3) -> dict:
 
 
 def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
-          host_layouts: tuple[str, ...] = HOST_LAYOUTS, profiles: int = 3) -> list[dict]:
+          host_layouts: tuple[str, ...] = HOST_LAYOUTS, profiles: int = 3,
+          tokens: list[int] | None = None) -> list[dict]:
     import torch
     sglang = import_sglang(mode)
     rows, gen = [meta_row(mode, sglang)], torch.Generator().manual_seed(0)
@@ -261,7 +264,7 @@ def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
         rows += [measure(cell, reps) for cell in link_cells()]
     for part in [p for p in KV_PARTS if p in parts]:
         try:
-            rows += kv_part(part, mode, reps, gen, host_pages, host_layouts, profiles)
+            rows += kv_part(part, mode, reps, gen, host_pages, host_layouts, profiles, tokens)
         except Exception as exc:  # the pool could not be built: the other parts still run
             rows.append(dict(mode=mode, pool=kv_part_shape(part)[3], error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()
@@ -270,13 +273,26 @@ def child(mode: str, reps: int, parts: list[str], host_pages: str = "random",
     return rows
 
 
+def token_list(text: str) -> list[int]:
+    """--tokens: batch sizes, comma-separated, each a positive multiple of the page."""
+    try:
+        tokens = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers") from None
+    bad = [t for t in tokens if t <= 0 or t % PAGE]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{','.join(map(str, bad))}: not a positive multiple of the page ({PAGE} tokens)")
+    return tokens
+
+
 def cell_key(fields: dict) -> tuple:
     """What names a cell between a --serve child and its parent (JSON keeps it as a list)."""
     return (fields["pool"], fields["direction"], fields["host_layout"], fields["batch"])
 
 
 def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts: tuple[str, ...],
-          requests, reply, profiles: int = 3) -> None:
+          requests, reply, profiles: int = 3, tokens: list[int] | None = None) -> None:
     """--cell-by-cell's child: build every part's pools and host pools once and keep them,
     check each pool's bytes, reply with its rows so far (meta, byte checks, errors) and the
     cells it can time, then serve requests (serve_requests)."""
@@ -286,11 +302,11 @@ def serve(mode: str, reps: int, parts: list[str], host_pages: str, host_layouts:
     if mode == "native" and "link" in parts:
         cells += link_cells()
     for part in [p for p in KV_PARTS if p in parts]:
-        kind, drafts, tokens, label = kv_part_shape(part)
+        kind, drafts, batches, label = kv_part_shape(part, tokens)
         try:
-            kv = KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
+            kv = KVBench(kind, gen, max_tokens=max(batches), drafts=drafts)
             for layout in host_layouts:
-                layout_cells, check = kv_layout_cells(kv, kv.host_pool(layout), layout, tokens, drafts, mode, label,
+                layout_cells, check = kv_layout_cells(kv, kv.host_pool(layout), layout, batches, drafts, mode, label,
                                                       host_pages)
                 cells += layout_cells
                 checks.append(check)
@@ -344,9 +360,9 @@ def kv_model(kind: str):
     return DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE.kv_dim * 2
 
 
-def host_pool_bytes(part: str) -> int:
+def host_pool_bytes(part: str, tokens: list[int] | None = None) -> int:
     """Bytes of one host pool of a KV part: SGLang sizes it as the device pool plus a page."""
-    kind, drafts, tokens, _ = kv_part_shape(part)
+    kind, drafts, tokens, _ = kv_part_shape(part, tokens)
     model, row_bytes = kv_model(kind)
     return (pool_pages(max(tokens))[1] + PAGE) * row_bytes * (model.layers + drafts)
 
@@ -375,12 +391,13 @@ def free_hugepage_bytes(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> i
     return (counts["free_hugepages"] - counts["resv_hugepages"]) * HUGEPAGE_KB[size] * 1024
 
 
-def hugepages_needed(parts: list[str], host_layouts, size: str, serving_children: int = 0) -> int:
+def hugepages_needed(parts: list[str], host_layouts, size: str, serving_children: int = 0,
+                     tokens: list[int] | None = None) -> int:
     """Huge pages of `size` the host pools take at most, in whole pages: a whole-run child
     holds one host pool at a time (kv_part frees each before the next); a serving child
     keeps every part's pool in every host layout, and all of them are up at once."""
     page = HUGEPAGE_KB[size] * 1024
-    pools = [-(-host_pool_bytes(p) // page) for p in parts if p in KV_PARTS]
+    pools = [-(-host_pool_bytes(p, tokens) // page) for p in parts if p in KV_PARTS]
     if not serving_children:
         return max(pools, default=0)
     return sum(pools) * len(host_layouts) * serving_children
@@ -514,26 +531,28 @@ class KVBench:
         torch.cuda.empty_cache()
 
 
-def kv_part_shape(part):
+def kv_part_shape(part, tokens: list[int] | None = None):
     """(pool kind, MTP drafts, batches, row label) of a KV part: mha / mla, the target's
-    pool alone; mtp-mha / mtp-mla, with one packed MTP draft."""
+    pool alone; mtp-mha / mtp-mla, with one packed MTP draft. The batches are `tokens`
+    where given (--tokens), else the part's own; the pool is sized for the largest."""
     if part.startswith("mtp-"):
         kind = part[len("mtp-"):]
-        return kind, 1, MTP_TOKENS, f"{kind.upper()}+MTP"
-    return part, 0, TOKENS, part.upper()
+        return kind, 1, tokens or MTP_TOKENS, f"{kind.upper()}+MTP"
+    return part, 0, tokens or TOKENS, part.upper()
 
 
 def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
     """The cells of one host layout (a backup and a load per batch), and check(): the row
-    of a byte-exact load-back check through the same calls at 4096 tokens."""
-    cells, check = [], None
+    of a byte-exact load-back check through the same calls at 4096 tokens (the largest
+    batch where 4096 is not one)."""
+    cells, check, check_at = [], None, 4096 if 4096 in tokens else max(tokens)
     for n in tokens:
         backup, load, batch_check = kv.calls(host, n, host_runs=host_pages == "runs")
         nbytes = n * kv.row_bytes * (kv.layers + drafts)
         fields = dict(mode=mode, pool=label, host_layout=layout, batch=n, host_pages=host_pages)
         cells += [(dict(fields, direction="backup"), nbytes, backup, True),
                   (dict(fields, direction="load"), nbytes, load, True)]
-        if n == 4096:  # the timed path must also be the right one
+        if n == check_at:  # the timed path must also be the right one
             def check(fields=fields, batch_check=batch_check):
                 return dict(fields, byte_exact=batch_check(), **host_memory(host))
     return cells, check
@@ -548,8 +567,8 @@ def host_memory(host) -> dict:
                 hugepage_bytes=host.hugepage_bytes)
 
 
-def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS, profiles=3):
-    kind, drafts, tokens, label = kv_part_shape(part)
+def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS, profiles=3, tokens=None):
+    kind, drafts, tokens, label = kv_part_shape(part, tokens)
     rows, kv = [], KVBench(kind, gen, max_tokens=max(tokens), drafts=drafts)
     for layout in host_layouts:
         host = kv.host_pool(layout)
@@ -950,6 +969,9 @@ def main():
                     help="host pages of a KV batch: random, or one run of consecutive pages (as SGLang's "
                          "host allocator hands them out)")
     ap.add_argument("--host-layouts", default=",".join(HOST_LAYOUTS), help="KV host layouts to time")
+    ap.add_argument("--tokens", type=token_list,
+                    help=f"the KV parts' batches in tokens, multiples of {PAGE} (default {','.join(map(str, TOKENS))}; "
+                         f"mtp-*: {','.join(map(str, MTP_TOKENS))}); each pool is sized for the largest")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variants this many times, alternating their order (native first, then "
                          "last), and table the median of each cell over the rounds")
@@ -990,17 +1012,20 @@ def main():
         ap.error(f"SGLANG_HUGEPAGE_SIZE={os.environ['SGLANG_HUGEPAGE_SIZE']} is set: pass --host-hugepages instead, "
                  "so that the run checks the pages and records them")
     if args.child and args.serve:
-        serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel(), args.profiles)
+        serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel(), args.profiles,
+              args.tokens)
         return
     if args.child:
-        json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts, args.profiles), sys.stdout)
+        json.dump(child(args.child, args.reps, parts, args.host_pages, host_layouts, args.profiles, args.tokens),
+                  sys.stdout)
         return
     modes = args.modes.split(",")
 
     def free_hugepages():
         return free_hugepage_bytes(args.host_hugepages) // (HUGEPAGE_KB[args.host_hugepages] << 10)
     if args.host_hugepages:
-        need = hugepages_needed(parts, host_layouts, args.host_hugepages, len(modes) if args.cell_by_cell else 0)
+        need = hugepages_needed(parts, host_layouts, args.host_hugepages, len(modes) if args.cell_by_cell else 0,
+                                args.tokens)
         if free_hugepages() < need:
             total = hugepage_counts(args.host_hugepages)["nr_hugepages"] + need - free_hugepages()
             ap.error(f"--host-hugepages {args.host_hugepages}: the host pools need {need} free huge pages, "
@@ -1011,9 +1036,11 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
                 cell_by_cell=args.cell_by_cell, process_sets=args.process_sets, host_hugepages=args.host_hugepages,
+                tokens=args.tokens,
                 **({"free_hugepages_before": free_hugepages()} if args.host_hugepages else {}))
     child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
-                  "--host-pages", args.host_pages, "--host-layouts", args.host_layouts]
+                  "--host-pages", args.host_pages, "--host-layouts", args.host_layouts,
+                  *(["--tokens", ",".join(map(str, args.tokens))] if args.tokens else [])]
 
     def save(rows):   # as it goes: a cut-short run keeps what it measured
         with open(args.out, "w") as handle:

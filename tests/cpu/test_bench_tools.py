@@ -5,6 +5,7 @@ unrolls that profile_transfers.force_unroll() imposes; both must say what ran.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -542,7 +543,7 @@ def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_a
 
 def test_hugepages_needed_counts_whole_pages_per_pool_layout_and_child(monkeypatch):
     sizes = {"mha": 5 << 20, "mla": (6 << 20) + 1}
-    monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part: sizes[part])
+    monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part, tokens: sizes[part])
     # a whole-run child holds one host pool at a time: the largest
     assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first", "layer_first"), "2MB") == 4
     # serving children hold every part's pool in every layout, all at once
@@ -1094,3 +1095,47 @@ def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_
     finally:
         sys.argv = sys_argv
     assert capsys.readouterr().out.strip() == pooled
+
+
+# --- --tokens: the KV parts' batches, chosen per run ----------------------------------------
+
+@pytest.mark.parametrize("text,tokens", [("64", [64]), ("64,16384", [64, 16384])])
+def test_tokens_are_read_as_batches_of_whole_pages(text, tokens):
+    assert transfer_bench.token_list(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["100", "0", "64,-64", "64,a", ""])
+def test_tokens_that_are_not_whole_pages_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        transfer_bench.token_list(text)
+
+
+def test_serve_times_only_the_batches_asked_for_and_checks_the_largest_without_4096(fake_serving):
+    replies = []
+    transfer_bench.serve("native", 2, ["mha"], "runs", ("page_first",), [], replies.append, 3, [64, 128])
+    assert sorted({c[3] for c in replies[0]["cells"]}) == [64, 128]
+    assert [(r["batch"], r["byte_exact"]) for r in replies[0]["rows"] if "byte_exact" in r] == [(128, True)]
+
+
+def test_whole_run_children_time_only_the_batches_asked_for(fake_serving, monkeypatch):
+    monkeypatch.setattr(FakeKVBench, "release", lambda self: None, raising=False)
+    monkeypatch.setattr(FakeKVBench, "host_pool", lambda self, layout: SimpleNamespace(destroy=lambda: None))
+    rows = transfer_bench.child("native", 2, ["mtp-mha"], "random", ("page_first",), tokens=[128])
+    assert {r["batch"] for r in rows if "direction" in r} == {128}
+
+
+def test_main_hands_the_batches_to_every_child_and_records_them(monkeypatch, tmp_path, no_hugepage_env):
+    seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,patched-dense", "--tokens", "64,16384")
+    for _, args, _ in seen:
+        assert args[args.index("--tokens") + 1] == "64,16384"
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["tokens"] == [64, 16384]
+    assert all("--tokens" not in args for _, args, _ in run_main(monkeypatch, tmp_path, "--parts", "mha"))
+
+
+def test_host_pools_are_sized_for_the_largest_batch_asked_for(monkeypatch):
+    monkeypatch.setattr(transfer_bench, "TOKENS", [4096])
+    default = transfer_bench.host_pool_bytes("mha")
+    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
+    assert transfer_bench.host_pool_bytes("mha", [64, 4096]) == default > transfer_bench.host_pool_bytes("mha")
+    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB", 0, [64, 4096]) == \
+        -(-default // (2 << 20))

@@ -41,6 +41,12 @@ load, pinned host -> device:
                              layer and tensor one strided copy (cudaMemcpy2DAsync) per run
                              of consecutive host pages, a row (1-1.1 KB) per token, into a
                              dense device buffer (the scatter to the pool's pages not done)
+  split                      the per-layer kernel for a layer's first tokens and, on a
+                             second stream at the same time, the copy engine's strided
+                             copies for the last 25%, 37.5% or 50% (whole pages, host
+                             pages in one run) into a dense device buffer, scattered to
+                             their device pages by torch's index_copy_: whether SMs and
+                             copy engine together move more than either alone
 footprint (16,384 tokens): a bf16 8192x8192 GEMM loop on a stream of its own, timed alone
   and while one transfer runs on another stream: the GEMM's slowdown, the share of its
   time the transfer took, and the transfer's GB/s beside it; --footprint-repeats times,
@@ -57,6 +63,7 @@ starts after --deadline seconds. The tables are printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import gc
@@ -88,6 +95,11 @@ from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B  # noqa: E402
 
 TOKENS = (1024, 4096, 16384, 65536)
 COPY_TOKENS = (16384, 65536)  # the copy engine alone: large batches only
+# The split load: shares of its tokens for the copy engine. Alone, the copy engine moves
+# 1 KB rows at about 0.70 of the link and SMs reading pinned host memory 0.90-0.93: if
+# the two are bounded by their own engines rather than by the link, together they
+# could reach it, the copy engine taking up to about 0.43 of the bytes.
+COPY_SHARES = (0.25, 0.375, 0.5)
 FOOTPRINT_TOKENS = 16384
 QUOTAS = (2, 4, 8)
 PARTS = ("mha", "mla")
@@ -186,13 +198,14 @@ def load_unrolls(facts: KernelFacts, element_size: int) -> list[int]:
 @dataclass(frozen=True)
 class Spec:
     direction: str  # "backup" (device -> host) or "load" (host -> device)
-    kind: str  # "staged", "direct", "copies" or "sglang"
+    kind: str  # "staged", "direct", "copies", "sglang" or "split" (loads: kernel and copy engine)
     host_pages: str = "random"  # "consecutive": one run of host pages from page 1; "dense": loads
     # from a dense pinned [layer][token][row] buffer instead of the host pool (a reference)
     quota: int | None = None
     unroll: int | None = None
     coalesce: bool = False  # copies: one copy per run of consecutive host pages
     one_stream: bool = False  # staged: every launch on one stream, as before patch 0010
+    copy_share: float | None = None  # split: the share of a load's tokens the copy engine moves
 
     @property
     def name(self) -> str:
@@ -206,6 +219,9 @@ class Spec:
         if self.kind == "copies":
             how = "one copy per run" if self.coalesce else "one copy per page"
             return f"copy engine alone, {how}, {self.host_pages} host pages"
+        if self.kind == "split":
+            return (f"split per-layer load, kernel bq={self.quota} u={self.unroll} + copy engine for "
+                    f"{self.copy_share:.1%} of the tokens, two streams, {self.host_pages} host pages")
         span = "all-layer" if self.direction == "backup" else "per-layer"
         source = ", dense pinned source" if self.host_pages == "dense" else ""
         return f"direct {span} kernel bq={self.quota} u={self.unroll}{source}"
@@ -228,6 +244,8 @@ def path_specs(tokens: int, quotas, unrolls, staged_overlaps: bool = False) -> l
     if tokens in COPY_TOKENS:
         specs.append(Spec("load", "copies", "consecutive", coalesce=True))
         specs += [Spec("load", "direct", "dense", quota=q, unroll=default) for q in quotas]
+        specs += [Spec("load", "split", "consecutive", quota=quotas[0], unroll=default, copy_share=share)
+                  for share in COPY_SHARES]
     return specs
 
 
@@ -268,6 +286,12 @@ def launch_shape(spec: Spec, geom: Geometry, tokens: int, facts: KernelFacts, ho
         per_layer = geom.layers if spec.direction == "load" else 1
         return dict(grid="copy engine", kernels=0, copies=geom.tensors * per_layer * runs)
     quota, unroll = spec.quota, spec.unroll
+    if spec.kind == "split":
+        copied = copy_engine_tokens(tokens, spec.copy_share)
+        runs = len(page_runs(host_tokens[tokens - copied:], True)) if host_tokens is not None else 1
+        blocks = min(-(-(tokens - copied) // (facts.threads * unroll // 32)), quota)
+        return dict(grid=f"{blocks}x{facts.threads} + copy engine", kernels=geom.layers * (1 + geom.tensors),
+                    copies=geom.tensors * geom.layers * runs, quota=quota, unroll=unroll)
     if spec.kind == "sglang":  # SGLang's load picks both itself (hicache.py: _unroll_for_batch)
         quota = facts.default_quota
         unroll = facts.batch_unroll(geom.element_size, tokens, quota)
@@ -334,6 +358,12 @@ def staged_copies(host_tokens, pages: int, chunk_pages: int | None) -> int:
         return pages
     span = chunk_pages * PAGE
     return sum(len(page_runs(host_tokens[start:start + span], True)) for start in range(0, pages * PAGE, span))
+
+
+def copy_engine_tokens(tokens: int, share: float) -> int:
+    """The split load's copy-engine part of `tokens`: `share` of them, rounded to whole
+    pages (a run of host pages stays one copy)."""
+    return min(round(tokens * share / PAGE) * PAGE, tokens)
 
 
 def page_runs(host_tokens, coalesce: bool) -> list[tuple[int, int, int]]:
@@ -486,6 +516,8 @@ class PoolBench:
             return lambda plan: (lambda: None)
         if spec.direction == "load" and spec.kind == "direct":
             return self._direct_load(spec, tokens)
+        if spec.kind == "split":
+            return self._split_load(spec, tokens)
         build = {("backup", "staged"): self._staged, ("backup", "direct"): self._direct_backup,
                  ("load", "sglang"): self._sglang_load}
         return build[spec.direction, spec.kind](spec)
@@ -529,37 +561,85 @@ class PoolBench:
         return lambda plan: (lambda: load_all_layers(host, pool, plan.host_gpu, plan.device, layers))
 
     def _direct_load(self, spec, tokens):
+        one_layer, layers = self._one_layer_loads(spec, tokens), range(self.geom.layers)
+
+        def prepare(plan):
+            load = one_layer(plan)
+
+            def run():
+                for layer in layers:
+                    load(layer)
+            return run
+        return prepare
+
+    def _one_layer_loads(self, spec, tokens):
         # As load_to_device_per_layer calls the one-layer kernel for page_first
         # (pool_host/mha.py, mla.py): the host layer's strided [token][row] view as
         # source, with a chosen unroll and block quota instead of SGLang's; or, for the
         # dense source, that layer's rows of the dense pinned buffer.
-        host, pool, hc, layers = self.host, self.pool, self.hc, range(self.geom.layers)
+        host, pool, hc = self.host, self.pool, self.hc
         tuning = dict(unroll=spec.unroll, block_quota=spec.quota)
         sources = self.dense_source(tokens) if spec.host_pages == "dense" else None
         if self.geom.part == "mha":
             k_src, v_src = sources or (host.k_data_refs, host.v_data_refs)
 
             def prepare(plan):
-                def run():
-                    for layer in layers:
-                        hc.transfer_hicache_one_layer(
-                            k_cache_dst=pool.k_buffer[layer], v_cache_dst=pool.v_buffer[layer],
-                            indices_dst=plan.device, k_cache_src=k_src[layer],
-                            v_cache_src=v_src[layer], indices_src=plan.host_gpu,
-                            element_dim=host.element_dim, **tuning)
-                return run
+                def load(layer):
+                    hc.transfer_hicache_one_layer(
+                        k_cache_dst=pool.k_buffer[layer], v_cache_dst=pool.v_buffer[layer],
+                        indices_dst=plan.device, k_cache_src=k_src[layer],
+                        v_cache_src=v_src[layer], indices_src=plan.host_gpu,
+                        element_dim=host.element_dim, **tuning)
+                return load
             return prepare
         (src,) = sources or (host.data_refs,)
 
         def prepare_mla(plan):
-            def run():
-                for layer in layers:
-                    hc.transfer_hicache_one_layer_mla(
-                        cache_dst=pool.kv_buffer[layer], indices_dst=plan.device,
-                        cache_src=src[layer], indices_src=plan.host_gpu,
-                        element_dim=host.kv_cache_dim, **tuning)
-            return run
+            def load(layer):
+                hc.transfer_hicache_one_layer_mla(
+                    cache_dst=pool.kv_buffer[layer], indices_dst=plan.device,
+                    cache_src=src[layer], indices_src=plan.host_gpu,
+                    element_dim=host.kv_cache_dim, **tuning)
+            return load
         return prepare_mla
+
+    def _split_load(self, spec, tokens):
+        """A per-layer load shared by the SMs and the copy engine on two streams. The
+        per-layer kernel moves each layer's first tokens, as SGLang's load does; for the
+        last `copy_share` of them (whole pages) the copy engine makes one strided copy per
+        layer, tensor and run of host pages into a dense device buffer, and torch's
+        index_copy_ scatters those rows to their device pages. Both streams go layer by
+        layer, so a layer is whole once both have passed it."""
+        import torch
+        one_layer, layers = self._one_layer_loads(spec, tokens), range(self.geom.layers)
+        dense, host_tensors, device_layers = self.load_buffer(tokens), self.host_tensors(), self.device_layers()
+        side = torch.cuda.Stream() if DEVICE == "cuda" else None
+
+        def prepare(plan):
+            count = len(plan.host_cpu)
+            kernel_tokens = count - copy_engine_tokens(count, spec.copy_share)
+            kernel = one_layer(plan.head(kernel_tokens))
+            tail_device, runs = plan.device[kernel_tokens:], page_runs(plan.host_cpu[kernel_tokens:], True)
+            copies = [[(dst[layer, s:s + n], src[h:h + n, layer]) for dst, src in zip(dense, host_tensors)
+                       for s, h, n in runs] for layer in layers]
+            scatters = [[(pool_layers[layer], dst[layer, :count - kernel_tokens])
+                         for pool_layers, dst in zip(device_layers, dense)] for layer in layers]
+
+            def run():
+                main = torch.cuda.current_stream() if side else None
+                if side:
+                    side.wait_stream(main)
+                for layer in layers:
+                    with torch.cuda.stream(side) if side else contextlib.nullcontext():
+                        for dst, src in copies[layer]:
+                            copy_rows(dst, src)
+                        for pool_layer, rows in scatters[layer]:
+                            pool_layer.index_copy_(0, tail_device, rows)
+                    kernel(layer)
+                if side:
+                    main.wait_stream(side)
+            return run
+        return prepare
 
     def dense_source(self, tokens: int) -> list:
         """Per host tensor a dense pinned [layer][token][row] buffer of random rows, one row
@@ -798,7 +878,7 @@ def cuda_timer(run, reps, nbytes, kind):
     return cuda_times(run, reps, warmup=WARMUP)
 
 
-FAKE_GBPS = {"link": 55.0, "staged": 49.0, "direct": 51.0, "copies": 52.0, "sglang": 50.0}
+FAKE_GBPS = {"link": 55.0, "staged": 49.0, "direct": 51.0, "copies": 52.0, "sglang": 50.0, "split": 53.0}
 
 
 def fake_timer(run, reps, nbytes, kind):

@@ -124,6 +124,27 @@ def test_link_paths_counts_one_copy_per_run_of_consecutive_host_pages():
     assert link_paths.staged_copies(host, 6, chunk_pages=2) == 5 and link_paths.staged_copies(host, 6, None) == 6
 
 
+def test_link_paths_split_load_gives_the_copy_engine_whole_pages_at_the_end():
+    page, geom, facts = link_paths.PAGE, link_paths.GEOMETRIES["mha"], link_paths.DRY_FACTS
+    assert link_paths.copy_engine_tokens(16384, 0.375) == 6144
+    assert link_paths.copy_engine_tokens(100 * page, 0.3) == 30 * page   # rounded to whole pages
+    assert link_paths.copy_engine_tokens(3 * page, 0.5) == 2 * page
+    assert link_paths.copy_engine_tokens(page, 0.1) == 0 and link_paths.copy_engine_tokens(page, 1.0) == page
+    split = link_paths.Spec("load", "split", "consecutive", quota=2, unroll=2, copy_share=0.25)
+    host = torch.cat([torch.arange(page, 3 * page), torch.arange(9 * page, 11 * page)])  # two runs
+    # the last page is the copy engine's: one run; the kernel's three pages fill the block quota
+    assert link_paths.launch_shape(split, geom, 4 * page, facts, host) == dict(
+        grid="2x1024 + copy engine", kernels=3 * geom.layers, copies=2 * geom.layers, quota=2, unroll=2)
+    most = link_paths.Spec("load", "split", "consecutive", quota=2, unroll=2, copy_share=0.75)
+    assert link_paths.launch_shape(most, geom, 4 * page, facts, host)["grid"] == "1x1024 + copy engine"  # 64 rows
+    # host pages 1, 2, 9, 10: the last three span both runs, a copy per run, tensor and layer
+    assert link_paths.launch_shape(most, geom, 4 * page, facts, host)["copies"] == 2 * 2 * geom.layers
+    names = [s.name for s in link_paths.path_specs(16384, [2, 4], [2, 4]) if s.kind == "split"]
+    assert names == [f"split per-layer load, kernel bq=2 u=2 + copy engine for {share} of the tokens, two "
+                     "streams, consecutive host pages" for share in ("25.0%", "37.5%", "50.0%")]
+    assert not any(s.kind == "split" for s in link_paths.path_specs(4096, [2], [2]))
+
+
 def test_link_paths_counts_the_staged_launches_of_staging_halves():
     # 16k tokens of consecutive host pages: 4 buffers of 64 pages, or (patch 0010) 8 halves
     from dataclasses import replace
@@ -213,9 +234,11 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
             layer_copies, Spec("load", "copies", "random", coalesce=True),  # a copy per run of random pages
             Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True),
             Spec("load", "direct", "dense", quota=2, unroll=2)]
+        split = Spec("load", "split", "consecutive", quota=2, unroll=2, copy_share=0.375)
+        specs.append(split)
         assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
                                                          for k in ("staged", "direct", "copies", "sglang")} - {
-            ("backup", "sglang"), ("load", "staged")}
+            ("backup", "sglang"), ("load", "staged")} | {("load", "split")}
         geom, host = bench.geom, plans["random"][0].host_cpu
         runs = len(link_paths.page_runs(host, True))
         assert 1 < runs and link_paths.launch_shape(Spec("load", "copies", "random", coalesce=True), geom, tokens,
@@ -229,6 +252,8 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
 
         monkeypatch.setattr(link_paths, "copy_rows", lambda dst, src: dst[:-1].copy_(src[:-1]))
         assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)
+        # the split load's copy-engine part is checked too: a row it drops fails the check
+        assert not bench.check(split, bench.operation(split, tokens), plans["consecutive"][0], tokens)
         copies = iter(range(geom.tensors * geom.layers))  # one run: a copy per tensor and layer, the last one's last
 
         def all_but_the_last_layer(dst, src):

@@ -379,6 +379,41 @@ def page_runs(host_tokens, coalesce: bool) -> list[tuple[int, int, int]]:
     return runs
 
 
+def split_schedule(layers, copy_engine_part, kernel_part, streams):
+    """The split load's order of work: the side stream starts after what the current
+    stream has queued, takes each layer's copy-engine part while the current stream takes
+    its kernel part, and the current stream ends waiting for the side stream, so that an
+    event recorded after the load covers both."""
+    main, side = streams.current(), streams.side
+    side.wait_stream(main)
+    for layer in layers:
+        with streams.use(side):
+            copy_engine_part(layer)
+        kernel_part(layer)
+    main.wait_stream(side)
+
+
+class CudaStreams:
+    """The current CUDA stream and one side stream of the split load."""
+
+    def __init__(self):
+        import torch
+        self.side = torch.cuda.Stream()
+        self.current, self.use = torch.cuda.current_stream, torch.cuda.stream
+
+
+class OneStream:
+    """Off CUDA every operation runs in order: both streams are one."""
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def __init__(self):
+        self.side = self.Stream()
+        self.current, self.use = (lambda: self.side), (lambda stream: contextlib.nullcontext())
+
+
 # ---------------------------------------------------------------------------------------
 # The pools and each path's operation
 
@@ -610,10 +645,9 @@ class PoolBench:
         layer, tensor and run of host pages into a dense device buffer, and torch's
         index_copy_ scatters those rows to their device pages. Both streams go layer by
         layer, so a layer is whole once both have passed it."""
-        import torch
         one_layer, layers = self._one_layer_loads(spec, tokens), range(self.geom.layers)
         dense, host_tensors, device_layers = self.load_buffer(tokens), self.host_tensors(), self.device_layers()
-        side = torch.cuda.Stream() if DEVICE == "cuda" else None
+        streams = CudaStreams() if DEVICE == "cuda" else OneStream()
 
         def prepare(plan):
             count = len(plan.host_cpu)
@@ -625,20 +659,12 @@ class PoolBench:
             scatters = [[(pool_layers[layer], dst[layer, :count - kernel_tokens])
                          for pool_layers, dst in zip(device_layers, dense)] for layer in layers]
 
-            def run():
-                main = torch.cuda.current_stream() if side else None
-                if side:
-                    side.wait_stream(main)
-                for layer in layers:
-                    with torch.cuda.stream(side) if side else contextlib.nullcontext():
-                        for dst, src in copies[layer]:
-                            copy_rows(dst, src)
-                        for pool_layer, rows in scatters[layer]:
-                            pool_layer.index_copy_(0, tail_device, rows)
-                    kernel(layer)
-                if side:
-                    main.wait_stream(side)
-            return run
+            def copy_engine_part(layer):
+                for dst, src in copies[layer]:
+                    copy_rows(dst, src)
+                for pool_layer, rows in scatters[layer]:
+                    pool_layer.index_copy_(0, tail_device, rows)
+            return lambda: split_schedule(layers, copy_engine_part, kernel, streams)
         return prepare
 
     def dense_source(self, tokens: int) -> list:

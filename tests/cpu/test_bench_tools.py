@@ -139,10 +139,43 @@ def test_link_paths_split_load_gives_the_copy_engine_whole_pages_at_the_end():
     assert link_paths.launch_shape(most, geom, 4 * page, facts, host)["grid"] == "1x1024 + copy engine"  # 64 rows
     # host pages 1, 2, 9, 10: the last three span both runs, a copy per run, tensor and layer
     assert link_paths.launch_shape(most, geom, 4 * page, facts, host)["copies"] == 2 * 2 * geom.layers
+    host = torch.cat([torch.arange(page, 2 * page), torch.arange(5 * page, 8 * page)])  # pages 1, 5, 6, 7
+    assert link_paths.launch_shape(most, geom, 4 * page, facts, host)["copies"] == 2 * geom.layers  # the last three
     names = [s.name for s in link_paths.path_specs(16384, [2, 4], [2, 4]) if s.kind == "split"]
     assert names == [f"split per-layer load, kernel bq=2 u=2 + copy engine for {share} of the tokens, two "
                      "streams, consecutive host pages" for share in ("25.0%", "37.5%", "50.0%")]
     assert not any(s.kind == "split" for s in link_paths.path_specs(4096, [2], [2]))
+
+
+def test_link_paths_split_schedule_puts_the_copy_engine_part_on_the_side_stream_and_joins_it():
+    from contextlib import contextmanager
+    seen, on = [], ["main"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            seen.append(f"{self.name} waits for {other.name}")
+
+    class Streams:
+        side = Stream("side")
+
+        @staticmethod
+        def current():
+            return Stream(on[-1])
+
+        @staticmethod
+        @contextmanager
+        def use(stream):
+            on.append(stream.name)
+            yield
+            on.pop()
+
+    link_paths.split_schedule(range(2), lambda layer: seen.append(f"copy engine {layer} on {on[-1]}"),
+                              lambda layer: seen.append(f"kernel {layer} on {on[-1]}"), Streams)
+    assert seen == ["side waits for main", "copy engine 0 on side", "kernel 0 on main",
+                    "copy engine 1 on side", "kernel 1 on main", "main waits for side"]
 
 
 def test_link_paths_counts_the_staged_launches_of_staging_halves():
@@ -235,7 +268,7 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
             Spec("backup", "copies", "random"), Spec("backup", "copies", "consecutive", coalesce=True),
             Spec("load", "direct", "dense", quota=2, unroll=2)]
         split = Spec("load", "split", "consecutive", quota=2, unroll=2, copy_share=0.375)
-        specs.append(split)
+        specs += [split, Spec("load", "split", "random", quota=2, unroll=2, copy_share=0.5)]  # a copy per run
         assert {(s.direction, s.kind) for s in specs} == {(d, k) for d in ("backup", "load")
                                                          for k in ("staged", "direct", "copies", "sglang")} - {
             ("backup", "sglang"), ("load", "staged")} | {("load", "split")}

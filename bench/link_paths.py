@@ -57,8 +57,10 @@ a path holds. After its timing a path runs once more on a poisoned destination (
 random source bytes for loads), and the destination is compared byte for byte with the
 source ("bytes ok"; up to 8,192 tokens, two of the staged path's chunks).
 
-Rows are written to --out as they come, so a run cut short keeps what it measured; no row
-starts after --deadline seconds. The tables are printed last.
+Rows are timed one after another, each batch size's paths in the order of the tables
+(--reverse: the other way round). They are written to --out as they come, so a run cut
+short keeps what it measured; no row starts after --deadline seconds. The tables are
+printed last.
 """
 from __future__ import annotations
 
@@ -1162,7 +1164,8 @@ def measure_pool(geom: Geometry, args, backend: Backend, rec: Recorder, link: di
         for tokens in args.tokens:
             plans = None if rec.expired() else bench.plans(tokens)  # past the deadline rows only say so
             runs = {}
-            for spec in path_specs(tokens, args.quotas, unrolls, overlaps):
+            specs = path_specs(tokens, args.quotas, unrolls, overlaps)
+            for spec in specs[::-1] if args.reverse else specs:
                 runs[spec] = measure_path(bench, spec, tokens, plans, args.reps, backend, rec, link)
             if tokens == footprint_tokens(args.tokens) and wanted:
                 measure_footprint(bench, [(s, runs.get(s)) for s in wanted], tokens, plans, args.reps, backend,
@@ -1312,6 +1315,9 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no row starts (the rest are listed as not started); "
                          "default: none")
+    ap.add_argument("--reverse", action="store_true",
+                    help="time each batch size's paths in reverse order: a row that moves with its "
+                         "place in the order shows what the order is worth")
     ap.add_argument("--dry-run", action="store_true", help="no GPU, no SGLang: made-up timings")
     args = ap.parse_args(argv)
     bad = [t for t in args.tokens if t <= 0 or t % PAGE]

@@ -178,6 +178,20 @@ def test_link_paths_split_schedule_puts_the_copy_engine_part_on_the_side_stream_
                     "copy engine 1 on side", "kernel 1 on main", "main waits for side"]
 
 
+def test_link_paths_reverse_times_each_batch_size_s_paths_the_other_way_round(tmp_path):
+    def timed(*extra):
+        out = tmp_path / "paths.json"
+        link_paths.main(["--dry-run", "--tokens", "1024,16384", "--parts", "mha", "--quotas", "2",
+                         "--skip-footprint", "--out", str(out), *extra])
+        return [(r["tokens"], r["direction"], r["path"]) for r in json.loads(out.read_text())["rows"]
+                if r.get("pool") == "MHA"]
+
+    forward, backward = timed(), timed("--reverse")
+    assert [r[0] for r in backward] == [1024] * 8 + [16384] * 16   # batch sizes keep their order
+    assert backward == [r for size in (1024, 16384) for r in reversed(forward) if r[0] == size]
+    assert backward[8][1:] == ("load", forward[-1][2]) and "split" in forward[-1][2]
+
+
 def test_link_paths_counts_the_staged_launches_of_staging_halves():
     # 16k tokens of consecutive host pages: 4 buffers of 64 pages, or (patch 0010) 8 halves
     from dataclasses import replace

@@ -57,10 +57,10 @@ a path holds. After its timing a path runs once more on a poisoned destination (
 random source bytes for loads), and the destination is compared byte for byte with the
 source ("bytes ok"; up to 8,192 tokens, two of the staged path's chunks).
 
-Rows are timed one after another, each batch size's paths in the order of the tables
-(--reverse: the other way round). They are written to --out as they come, so a run cut
-short keeps what it measured; no row starts after --deadline seconds. The tables are
-printed last.
+Rows are timed one after another, each batch size's paths in a fixed order, backups
+first (--reverse: the other way round; the footprint rows keep theirs). They are written
+to --out as they come, so a run cut short keeps what it measured, and printed in that
+order; no row starts after --deadline seconds. The tables are printed last.
 """
 from __future__ import annotations
 
@@ -395,6 +395,11 @@ def split_schedule(layers, copy_engine_part, kernel_part, streams):
     main.wait_stream(side)
 
 
+def split_streams(device: str):
+    """The split load's streams: two on CUDA, one elsewhere."""
+    return CudaStreams() if device == "cuda" else OneStream()
+
+
 class CudaStreams:
     """The current CUDA stream and one side stream of the split load."""
 
@@ -649,7 +654,7 @@ class PoolBench:
         layer, so a layer is whole once both have passed it."""
         one_layer, layers = self._one_layer_loads(spec, tokens), range(self.geom.layers)
         dense, host_tensors, device_layers = self.load_buffer(tokens), self.host_tensors(), self.device_layers()
-        streams = CudaStreams() if DEVICE == "cuda" else OneStream()
+        streams = split_streams(DEVICE)
 
         def prepare(plan):
             count = len(plan.host_cpu)

@@ -6,6 +6,7 @@ unrolls that profile_transfers.force_unroll() imposes; both must say what ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -192,6 +193,29 @@ def test_link_paths_reverse_times_each_batch_size_s_paths_the_other_way_round(tm
     assert backward[8][1:] == ("load", forward[-1][2]) and "split" in forward[-1][2]
 
 
+def test_link_paths_split_streams_are_a_side_cuda_stream_and_the_current_one(monkeypatch):
+    made, used = [], []
+
+    class Stream:
+        def __init__(self):
+            made.append(self)
+
+    @contextlib.contextmanager
+    def stream(s):
+        used.append(s)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "current")
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    streams = link_paths.split_streams("cuda")
+    assert made == [streams.side] and streams.current() == "current"
+    with streams.use(streams.side):
+        pass
+    assert used == [streams.side]
+    assert isinstance(link_paths.split_streams("cpu"), link_paths.OneStream)
+
+
 def test_link_paths_counts_the_staged_launches_of_staging_halves():
     # 16k tokens of consecutive host pages: 4 buffers of 64 pages, or (patch 0010) 8 halves
     from dataclasses import replace
@@ -291,11 +315,14 @@ def test_link_paths_checks_the_bytes_of_every_path_and_catches_a_wrong_copy(part
         assert 1 < runs and link_paths.launch_shape(Spec("load", "copies", "random", coalesce=True), geom, tokens,
                                                     link_paths.DRY_FACTS, host)["copies"] == (
             geom.tensors * geom.layers * runs)
+        devices, split_streams = [], link_paths.split_streams   # the split load asks for its streams
+        monkeypatch.setattr(link_paths, "split_streams", lambda device: devices.append(device) or split_streams(device))
         for spec in specs:
             prepare = bench.operation(spec, tokens)
             for plan in plans[spec.host_pages]:
                 prepare(plan)()
             assert bench.check(spec, prepare, plans[spec.host_pages][0], tokens), spec.name
+        assert devices and set(devices) == {"cpu"}
 
         monkeypatch.setattr(link_paths, "copy_rows", lambda dst, src: dst[:-1].copy_(src[:-1]))
         assert not bench.check(layer_copies, bench.operation(layer_copies, tokens), plans["consecutive"][0], tokens)

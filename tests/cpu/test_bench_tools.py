@@ -149,7 +149,6 @@ def test_link_paths_split_load_gives_the_copy_engine_whole_pages_at_the_end():
 
 
 def test_link_paths_split_schedule_puts_the_copy_engine_part_on_the_side_stream_and_joins_it():
-    from contextlib import contextmanager
     seen, on = [], ["main"]
 
     class Stream:
@@ -167,7 +166,7 @@ def test_link_paths_split_schedule_puts_the_copy_engine_part_on_the_side_stream_
             return Stream(on[-1])
 
         @staticmethod
-        @contextmanager
+        @contextlib.contextmanager
         def use(stream):
             on.append(stream.name)
             yield

@@ -57,6 +57,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as judge  # noqa: E402
+from real_kernels import sgl_kernel_calls  # noqa: E402
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -165,7 +166,9 @@ class Runner:
                 "pool": row.case.pool, "tp": row.case.tp, "pp": row.case.pp,
                 "variant": row.variant.name, "tree": row.variant.tree,
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
-                "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy}
+                "io_backend": row.io_backend,
+                "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy,
+                "models_per_rank": 2 if row.case.draft else 1}
 
     def skip_reason(self, row: matrix.Row) -> str:
         if row.not_run:
@@ -305,12 +308,16 @@ def environment(opts) -> dict:
     if opts.launcher == "local":
         probe = ("import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
                  "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
+                 # a package unpacked without its dist-info (ci/e2e/real_kernels): its own version
+                 "def real_sgl_kernel():\n"
+                 " import sgl_kernel\n"
+                 " return f'{sgl_kernel.__version__} (real ops, {os.path.dirname(sgl_kernel.__file__)})'\n"
                  "s = u.find_spec('sgl_kernel')\n"
                  "stand = bool(s and os.path.exists(os.path.join(os.path.dirname(s.origin), '_standin_ops.py')))\n"
                  "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda,"
                  " 'transformers': v('transformers'), 'triton': v('triton'), 'kvcached': v('kvcached'),"
                  " 'sgl_kernel': 'plain-torch stand-in (its Python wrappers, ops re-registered)' if stand"
-                 " else v('sglang-kernel')}))\n")
+                 " else v('sglang-kernel') or real_sgl_kernel()}))\n")
         path = ":".join(p for p in [str(Path(opts.patched_path).resolve()), os.environ.get("PYTHONPATH", "")] if p)
         proc = subprocess.run([opts.python, "-c", probe], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": path, "ENABLE_KVCACHED": "false"}, timeout=300)
@@ -347,6 +354,8 @@ def options(argv=None):
     ap.add_argument("--set", dest="case_set", choices=sorted(matrix.CASE_SETS), default="tiny")
     ap.add_argument("--host-layout", nargs="+", default=list(matrix.HOST_LAYOUTS), choices=matrix.HOST_LAYOUTS)
     ap.add_argument("--variants", nargs="+", default=list(matrix.DEFAULT_VARIANTS), choices=sorted(matrix.VARIANTS))
+    ap.add_argument("--io-backend", nargs="+", default=list(matrix.IO_BACKENDS[:1]), choices=matrix.IO_BACKENDS,
+                    help="--hicache-io-backend of the rows (direct: page_first runs as page_first_direct)")
     ap.add_argument("--l3", choices=matrix.L3_MODES, default="off", help="file-store groups: none, also, only")
     ap.add_argument("--skip", nargs="+", default=[], metavar="GLOB",
                     help="leave out rows whose key matches, e.g. '*-tp2/layer_first/*' '*/l3/*'")
@@ -387,7 +396,8 @@ def main(argv=None) -> int:
         return 0
     try:
         rows = matrix.skip_rows(matrix.build_rows(matrix.select_cases(opts.case, opts.pool, opts.case_set),
-                                                  opts.host_layout, opts.variants, opts.l3), opts.skip)
+                                                  opts.host_layout, opts.variants, opts.l3, opts.io_backend),
+                                 opts.skip)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
     if opts.list:
@@ -411,6 +421,9 @@ def main(argv=None) -> int:
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)
+    if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/e2e/real_kernels/setup.sh)
+        report["sgl_kernel_ops"] = sgl_kernel_calls.summary(os.environ["SGLK_REAL_LOG"],
+                                                            os.environ.get("SGLK_CALL_LOG"))
     Path(opts.out).write_text(json.dumps(report, indent=1))
     print(judge.markdown_table(report["rows"]))
     print("\n".join(report["problems"]) if report["problems"] else "every row as expected")

@@ -22,6 +22,11 @@ POOL_KINDS = ("mha", "mla", "mamba", "swa")
 KVCACHED_LAYOUTS = ("contiguous", "per-layer")   # KVCACHED_CONTIGUOUS_LAYOUT=true / false
 HOST_LAYOUTS = ("page_first", "layer_first")     # page_first is SGLang's default
 L3_MODES = ("off", "also", "only")
+IO_BACKENDS = ("kernel", "direct")               # --hicache-io-backend; kernel is SGLang's default
+# With direct io SGLang turns page_first into page_first_direct (arg_groups/hicache_hook.py),
+# whose sglang-kernel copies address each layer as dense: the series refuses it at startup
+# for strided views. Every such refusal begins with this.
+DIRECT_REFUSAL = "HiCache: --hicache-mem-layout page_first_direct"
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,12 @@ class Case:
     pristine_fails: tuple[str, ...] = ("contiguous",)
     # why its L3 group is not run ("" runs it): recorded as a row "not run" with the reason
     no_l3: str = ""
+    # kvcached layouts whose views are strided for this pool: with direct io and page_first
+    # (page_first_direct) the series refuses them at startup, where native serves
+    strided_layouts: tuple[str, ...] = ("contiguous",)
+    # speculative decoding's draft model: "" none; "packed" (a nextn MTP draft whose KV
+    # SGLang packs into the target's host pool); "sidecar" (a draft with a host pool of its own)
+    draft: str = ""
 
     def __post_init__(self):
         if self.pool not in POOL_KINDS:
@@ -62,7 +73,7 @@ def _tiny(name: str) -> str:
 # kvcached's default 2 MiB page. A small state pool, so that filler traffic evicts it.
 _QWEN35 = dict(pool="mamba", kvcached_env=(("KVCACHED_PAGE_SIZE_MB", "4"),),
                refused_layouts=(("layer_first", "Unsupported layout: layer_first"),),
-               pristine_fails=KVCACHED_LAYOUTS)
+               pristine_fails=KVCACHED_LAYOUTS, strided_layouts=KVCACHED_LAYOUTS)
 
 # kvcached 0.1.6 sizes its elastic MLA pool's page allocator with `size + page_size` blocks
 # of `page_size` tokens (its MHA pool: ceil(size / page_size) + 1 blocks), so at page size
@@ -76,6 +87,12 @@ _MLA = dict(pool="mla", page_size=1,
             no_l3="page size 1 (see _MLA): SGLang's file store reads a 511-token prefix from 511 files, "
                   "too slow natively for this traffic")
 
+# EAGLE speculative decoding, chain drafts of two steps. SGLang packs a nextn MTP draft
+# (MiMo's MTP layer) into the target's host pool and gives any other draft (an EAGLE head)
+# a sidecar host pool of its own (srt/speculative/base_spec_worker.py).
+_EAGLE = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+
 CASES = {case.name: case for case in (
     # dummy weights, small local configs: no download, every pool kind through SGLang's model code
     Case("qwen2-tiny", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True),
@@ -86,6 +103,11 @@ CASES = {case.name: case for case in (
     Case("qwen3.5-tiny", _tiny("qwen3.5-tiny"), vocab_size=1024, dummy=True,
          extra_flags=("--max-mamba-cache-size", "32"), **_QWEN35),
     Case("mellum-tiny", _tiny("mellum-tiny"), "swa", vocab_size=1024, dummy=True),
+    # MTP: an MHA target with its draft, packed and sidecar (by --case only: not in a set)
+    Case("mimo-tiny-mtp", _tiny("mimo-tiny"), "mha", vocab_size=1024, dummy=True, draft="packed",
+         extra_flags=(*_EAGLE, "--speculative-draft-model-path", _tiny("mimo-tiny"))),
+    Case("qwen2-tiny-eagle", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True, draft="sidecar",
+         extra_flags=(*_EAGLE, "--speculative-draft-model-path", _tiny("qwen2-tiny-eagle"))),
     # real checkpoints (GPU runners with the models)
     Case("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "mha", vocab_size=151000),
     Case("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "mha", vocab_size=151000),
@@ -126,12 +148,14 @@ class Row:
     l3: bool
     variant: Variant
     expect: str                # "match": equals native; "fail": the pristine tree's failure;
-    refusal: str = ""          # "refused": startup stops with this message (natively too)
+    refusal: str = ""          # "refused": startup stops with this message
     not_run: str = ""          # why the row is recorded without starting a server
+    io_backend: str = "kernel"
 
     @property
     def group(self) -> str:
-        return f"{self.case.name}/{self.host_layout}" + ("/l3" if self.l3 else "")
+        return (f"{self.case.name}/{self.host_layout}" + ("/direct" if self.io_backend == "direct" else "")
+                + ("/l3" if self.l3 else ""))
 
     @property
     def key(self) -> str:
@@ -139,13 +163,15 @@ class Row:
 
 
 def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VARIANTS,
-               l3: str = "off") -> list[Row]:
+               l3: str = "off", io_backends=IO_BACKENDS[:1]) -> list[Row]:
     """Every server run of the comparison, natives first within each group.
 
     A pristine variant runs only where the pristine tree is known to get the pool wrong
-    (case.pristine_fails); a host layout SGLang refuses for the pool runs natively and
-    with kvcached's default layout only, both expected to stop at startup. L3 groups use
-    the default host layout.
+    (case.pristine_fails), with kernel io; a host layout SGLang refuses for the pool runs
+    natively and with kvcached's default layout only, both expected to stop at startup.
+    With direct io, page_first becomes page_first_direct: kvcached layouts with strided
+    views are expected to be refused by the series (native serves). L3 groups use the
+    default host layout and kernel io.
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -157,29 +183,36 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
     bad = [h for h in host_layouts if h not in HOST_LAYOUTS]
     if bad:
         raise ValueError(f"unknown host layouts {bad}; choose from {HOST_LAYOUTS}")
+    bad = [io for io in io_backends if io not in IO_BACKENDS]
+    if bad:
+        raise ValueError(f"unknown io backends {bad}; choose from {IO_BACKENDS}")
     rows = []
     for case in cases:
-        groups = [] if l3 == "only" else [(h, False) for h in host_layouts]
+        groups = [] if l3 == "only" else [(h, False, io) for io in io_backends for h in host_layouts]
         if l3 != "off":
-            groups.append((HOST_LAYOUTS[0], True))
+            groups.append((HOST_LAYOUTS[0], True, IO_BACKENDS[0]))
         refused = dict(case.refused_layouts)
-        for host_layout, with_l3 in groups:
+        for host_layout, with_l3, io in groups:
+            add = lambda variant, expect, refusal="", not_run="": rows.append(
+                Row(case, host_layout, with_l3, variant, expect, refusal, not_run, io))
             if with_l3 and case.no_l3:
-                rows.append(Row(case, host_layout, with_l3, NATIVE, "match", not_run=case.no_l3))
+                add(NATIVE, "match", not_run=case.no_l3)
                 continue
             if host_layout in refused:
                 for name in ("native", "elastic-contiguous"):
                     if name in variants:
-                        rows.append(Row(case, host_layout, with_l3, VARIANTS[name], "refused",
-                                        refused[host_layout]))
+                        add(VARIANTS[name], "refused", refused[host_layout])
                 continue
             for name in variants:
                 variant = VARIANTS[name]
                 if variant.tree == "pristine" and variant.kvcached:
-                    if variant.kvcached in case.pristine_fails and not with_l3:
-                        rows.append(Row(case, host_layout, with_l3, variant, "fail"))
+                    if variant.kvcached in case.pristine_fails and not with_l3 and io == "kernel":
+                        add(variant, "fail")
                     continue
-                rows.append(Row(case, host_layout, with_l3, variant, "match"))
+                if io == "direct" and host_layout == "page_first" and variant.kvcached in case.strided_layouts:
+                    add(variant, "refused", DIRECT_REFUSAL)
+                    continue
+                add(variant, "match")
     return rows
 
 
@@ -197,7 +230,8 @@ def run_order(rows: list[Row]) -> list[int]:
 
     def rank(i: int):
         r = rows[i]
-        tier = 0 if (r.host_layout == HOST_LAYOUTS[0] and not r.l3) else 1 if r.l3 else 2
+        default = r.host_layout == HOST_LAYOUTS[0] and r.io_backend == IO_BACKENDS[0]
+        tier = 0 if (default and not r.l3) else 1 if r.l3 else 2
         return tier, variants.index(r.variant.name), cases.index(r.case.name)
     return sorted(range(len(rows)), key=rank)
 
@@ -256,6 +290,8 @@ def server_args(row: Row, port: int, plan: Plan, extra_flags=()) -> list[str]:
             "--hicache-ratio", str(plan.l3_hicache_ratio if row.l3 else plan.hicache_ratio)]
     if row.host_layout != HOST_LAYOUTS[0]:   # the default stays SGLang's own default
         args += ["--hicache-mem-layout", row.host_layout]
+    if row.io_backend != IO_BACKENDS[0]:
+        args += ["--hicache-io-backend", row.io_backend]
     if row.l3:
         # wait_complete: a prefetch from the store finishes before the request is scheduled,
         # so the hit count does not depend on timing (SGLang's default, timeout, may cut it)

@@ -36,6 +36,8 @@ def summarize(response: dict) -> dict:
         "device_tokens": details.get("device", cached - host - storage),
         "host_tokens": host,
         "storage_tokens": storage,
+        # speculative decoding (absent without it): verify steps and accepted draft tokens
+        **{key: meta[key] for key in SPEC_KEYS if key in meta},
     }
 
 
@@ -55,12 +57,28 @@ def scan_log(text: str) -> dict:
 
 
 HIT_KINDS = ("device_tokens", "host_tokens", "storage_tokens")
+# what SGLang's meta_info says of speculative decoding: equal drafts and verifies mean
+# the draft model read the same KV (its own pool's and, packed, the target's host copies)
+SPEC_KEYS = ("spec_verify_ct", "spec_accepted_drafts")
 
 
 def compare(native: dict[str, list[dict]], other: dict[str, list[dict]], logprob_tol: float) -> list[str]:
     """Every difference between two runs' passes; empty when they match: outputs (see
-    output_differences), then device, host and storage hit tokens per prompt."""
-    return output_differences(native, other, logprob_tol) + hit_differences(native, other)
+    output_differences), device, host and storage hit tokens per prompt, then speculative
+    decoding's verify steps and accepted drafts where the runs record them."""
+    return output_differences(native, other, logprob_tol) + hit_differences(native, other) \
+        + spec_differences(native, other)
+
+
+def spec_differences(native: dict[str, list[dict]], other: dict[str, list[dict]]) -> list[str]:
+    """Prompts whose speculative-decoding counts differ from native's (or are missing on one side)."""
+    problems = []
+    for name, reference in native.items():
+        for i, (a, b) in enumerate(zip(reference, other.get(name, []))):
+            for key in SPEC_KEYS:
+                if a.get(key) != b.get(key):
+                    problems.append(f"{name} prompt {i}: {key} {b.get(key)}, native {a.get(key)}")
+    return problems
 
 
 def hit_differences(native: dict[str, list[dict]], other: dict[str, list[dict]]) -> list[str]:
@@ -172,11 +190,13 @@ def weights_problems(run: dict, native: dict | None) -> list[str]:
     match would prove nothing), as many tensors as its native run."""
     counts = run.get("weights_redrawn") or []
     ranks = run.get("tp", 1) * run.get("pp", 1)
+    models = run.get("models_per_rank", 1)   # a speculative draft loads its own weights
     if isinstance(counts, bool):
         return ["this report records whether the trained-scale plugin ran, not its tensor count per rank"]
-    if len(counts) != ranks or not all(counts):
+    if len(counts) != ranks * models or not all(counts):
         return [f"dummy weights at SGLang's 1e-3 scale on some rank: the trained-scale plugin drew {counts} "
-                f"tensors, one positive count per rank expected ({ranks} ranks)"]
+                f"tensors, one positive count per model and rank expected ({ranks} ranks, {models} "
+                f"model{'s' if models > 1 else ''} each)"]
     if native is not None and native is not run and native.get("outcome") == "served" \
             and sorted(native.get("weights_redrawn") or []) != sorted(counts):
         return [f"the trained-scale plugin drew {counts} tensors, native {native.get('weights_redrawn')}"]
@@ -215,7 +235,8 @@ def markdown_table(rows: list[dict]) -> str:
         hits = hit_totals(r) if r["outcome"] == "served" else None
         lines.append("| " + " | ".join([
             r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""),
-            r["kvcached"] or "off (native)", r["tree"], r["host_layout"],
+            r["kvcached"] or "off (native)", r["tree"],
+            r["host_layout"] + (" (direct io)" if r.get("io_backend") == "direct" else ""),
             "file" if r["l3"] else "-", r["result"],
             f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
             f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",

@@ -234,6 +234,58 @@ def test_tiny_configs_reach_each_pool_kind_through_sglangs_model_config():
     assert set(swa.hf_config.mlp_layer_types) == {"dense"}                        # no MoE op
 
 
+def draft_config_of(case_name):
+    """The draft's ModelConfig as SGLang's draft worker builds it, from the case's flags."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    flags = matrix.CASES[case_name].extra_flags
+    path = flags[flags.index("--speculative-draft-model-path") + 1]
+    return ModelConfig(path, trust_remote_code=False, dtype="auto", is_draft_model=True)
+
+
+def test_mtp_cases_take_sglangs_packed_and_sidecar_host_pool_plans():
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.speculative.base_spec_worker import _can_pack_hicache_mtp
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    eagle = SpeculativeAlgorithm.from_string("EAGLE")
+    for name, packed in (("mimo-tiny-mtp", True), ("qwen2-tiny-eagle", False)):
+        case = matrix.CASES[name]
+        assert case.draft == ("packed" if packed else "sidecar")
+        assert case.extra_flags[case.extra_flags.index("--speculative-algorithm") + 1] == "EAGLE"
+        target, draft = model_config(name), draft_config_of(name)
+        assert target.attention_arch == draft.attention_arch == AttentionArch.MHA
+        assert _can_pack_hicache_mtp(eagle, (SimpleNamespace(model_config=draft),)) is packed
+    assert draft_config_of("mimo-tiny-mtp").hf_config.architectures == ["MiMoMTP"]
+    assert draft_config_of("qwen2-tiny-eagle").hf_config.architectures == ["Qwen2ForCausalLMEagle"]
+
+
+def test_direct_io_rows_expect_the_series_refusal_where_views_are_strided():
+    rows = {r.key: r for r in matrix.build_rows([matrix.CASES["qwen2-tiny"], matrix.CASES["qwen3.5-tiny"]],
+                                                 io_backends=("kernel", "direct"))}
+    direct = rows["qwen2-tiny/page_first/direct/elastic-contiguous"]
+    assert (direct.expect, direct.refusal) == ("refused", matrix.DIRECT_REFUSAL)
+    assert rows["qwen2-tiny/page_first/direct/elastic-per-layer"].expect == "match"     # dense views
+    assert rows["qwen2-tiny/page_first/direct/native"].expect == "match"
+    assert rows["qwen2-tiny/layer_first/direct/elastic-contiguous"].expect == "match"   # Tensor.copy_
+    for layout in ("contiguous", "per-layer"):   # Mamba state is strided in both kvcached layouts
+        assert rows[f"qwen3.5-tiny/page_first/direct/elastic-{layout}"].expect == "refused"
+    assert not any("direct/pristine" in key for key in rows)   # the pristine failure: kernel io only
+    assert "qwen2-tiny/page_first/pristine-contiguous" in rows
+    args = matrix.server_args(direct, 30000, matrix.Plan())
+    assert args[args.index("--hicache-io-backend") + 1] == "direct"
+    assert "--hicache-io-backend" not in matrix.server_args(rows["qwen2-tiny/page_first/native"], 30000,
+                                                            matrix.Plan())
+    with pytest.raises(ValueError, match="io backends"):
+        matrix.build_rows([matrix.CASES["qwen2-tiny"]], io_backends=("dma",))
+    # the refusal text the rows expect is the series' own (0003, 0005)
+    series = "".join(p.read_text() for p in (ROOT / "patches").glob("000[35]-*.patch"))
+    assert series.count('"HiCache: --hicache-mem-layout page_first_direct') == 1   # Mamba's, verbatim
+    assert 'f"HiCache: --hicache-mem-layout {layout} has no copy path' in series     # MHA and MLA's
+
+
 # ---------------------------------------------------------------- responses and logs
 
 def response(ids, tops, host=0, storage=None, device=0):
@@ -617,6 +669,32 @@ def test_every_rank_must_draw_trained_scale_weights_as_native_did():
         assert "1e-3 scale" in verdict.weights_problems({**native, "weights_redrawn": counts}, native)[0]
     assert "native [30, 30]" in verdict.weights_problems({**native, "weights_redrawn": [30, 29]}, native)[0]
     assert "not its tensor count" in verdict.weights_problems({**native, "weights_redrawn": True}, native)[0]
+
+
+def test_a_speculative_draft_draws_its_own_weights_on_every_rank():
+    native = {"outcome": "served", "tp": 1, "pp": 1, "models_per_rank": 2, "weights_redrawn": [30, 9]}
+    assert verdict.weights_problems(native, native) == []
+    problem = verdict.weights_problems({**native, "weights_redrawn": [30]}, native)[0]
+    assert "1e-3 scale" in problem and "2 models each" in problem
+
+
+def test_speculative_decoding_counts_must_equal_natives():
+    tops = [[(5, -0.1)]]
+    spec = lambda verify, accepted: {"output_ids": [5], "meta_info": {
+        "output_token_logprobs": [[-0.1, 5, None]], "output_top_logprobs": [[[-0.1, 5, None]]],
+        "cached_tokens": 0, "spec_verify_ct": verify, "spec_accepted_drafts": accepted, "spec_accept_rate": 0.5}}
+    native = {"pass2": [verdict.summarize(spec(8, 7))]}
+    assert verdict.summarize(spec(8, 7))["spec_verify_ct"] == 8
+    assert "spec_accept_rate" not in verdict.summarize(spec(8, 7))   # derived from the two counts
+    assert verdict.compare(native, {"pass2": [verdict.summarize(spec(8, 7))]}, 0.0) == []
+    assert verdict.compare(native, {"pass2": [verdict.summarize(spec(9, 7))]}, 0.0) == [
+        "pass2 prompt 0: spec_verify_ct 9, native 8"]
+    assert verdict.compare(native, {"pass2": [verdict.summarize(spec(8, 6))]}, 0.0) == [
+        "pass2 prompt 0: spec_accepted_drafts 6, native 7"]
+    plain = {"pass2": [verdict.summarize(response([5], tops))]}
+    assert verdict.compare(plain, plain, 0.0) == []                   # no speculative decoding: nothing to compare
+    assert verdict.compare(native, plain, 0.0) == ["pass2 prompt 0: spec_verify_ct None, native 8",
+                                                   "pass2 prompt 0: spec_accepted_drafts None, native 7"]
 
 
 def test_rows_past_the_deadline_or_without_gpus_are_not_run(fake_trees, tmp_path):

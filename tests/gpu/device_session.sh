@@ -13,6 +13,9 @@
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
 #              at spaces, no quotes, no file-name globbing)
 # HUGEPAGES_2MB=N first reserves N huge pages of 2 MiB (as root), for bench --host-hugepages 2MB.
+# REAL_KERNELS=1 runs every step on sglang-kernel 0.4.5's compiled ops (ci/e2e/real_kernels:
+# .e2e/sgl_kernel_045_sm90.tgz) in place of the import stand-in, and writes which ops ran to
+# $out/sgl_kernel_ops.json.
 # Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
@@ -21,6 +24,11 @@ cd "$root"
 site=${SGLANG_SITE:-/tmp/site}
 pristine=${PRISTINE_SITE:-/tmp/pristine}
 steps=${STEPS:-tier bench}
+if [ -n "${REAL_KERNELS:-}" ]; then
+  export SGLK_REAL_LOG=$out/sgl_kernel_real_ops.log
+  # shellcheck source=../../ci/e2e/real_kernels/setup.sh
+  source ci/e2e/real_kernels/setup.sh > "$out/real-kernels.log" 2>&1 || { cat "$out/real-kernels.log"; exit 1; }
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
 python3 -c "import torch, kvcached, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda); print('kvcached', kvcached.__version__); print('sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
 if [ ! -d "$pristine/sglang" ]; then
@@ -75,6 +83,11 @@ fi
 if has kvcached-memory; then
   python3 bench/kvcached_memory.py --out "$out/kvcached-memory.json" ${KVM_ARGS:-} > "$out/kvcached-memory.log" 2>&1
   echo "kvcached-memory exit: $?" >> "$out/kvcached-memory.log"
+fi
+if [ -n "${REAL_KERNELS:-}" ]; then
+  python3 ci/e2e/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
+    >> "$out/real-kernels.log" 2>&1
+  echo "== real sgl_kernel"; cat "$out/real-kernels.log"
 fi
 for f in unpatched patched differential bench profile link-paths kvcached-memory; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }

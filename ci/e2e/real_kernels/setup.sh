@@ -1,0 +1,35 @@
+# Source on a GPU machine whose torch is 2.11, from the checkout root, after the stand-in
+# bundle's setup (`source .e2e/setup.sh`): SGLang 0.5.20 then runs on sglang-kernel
+# 0.4.5's real compiled ops instead of the stand-in. 0.4.5 is the last sglang-kernel
+# built for torch 2.11; SGLang 0.5.20 pins 0.4.7 (torch 2.13), whose op schemas for the
+# kvcacheio copies and EAGLE's tree ops are the same (docs/real-kernels.md says where the
+# two differ for the ops SGLang calls).
+#   SGLK_BUNDLE  sglang-kernel 0.4.5's package, the libraries its import loads
+#                (default .e2e/sgl_kernel_045_sm90.tgz, made on a machine with PyPI by
+#                ci/e2e/real_kernels/pack.sh)
+#   SGLK_DIR     where it is unpacked (default /tmp/sgl_kernel_real), put first on PYTHONPATH
+# Every process then logs the sgl_kernel ops it calls to $SGLK_REAL_LOG (default
+# $OUT/sgl_kernel_real_ops.log); `python3 ci/e2e/real_kernels/sgl_kernel_calls.py
+# --summary "$SGLK_REAL_LOG" --stand-in-log "$SGLK_CALL_LOG"` says which ran real and
+# which on a stand-in (none: it exits 1 otherwise).
+_sglk_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SGLK_BUNDLE=${SGLK_BUNDLE:-$PWD/.e2e/sgl_kernel_045_sm90.tgz}
+SGLK_DIR=${SGLK_DIR:-/tmp/sgl_kernel_real}
+if [ ! -f "$SGLK_DIR/.unpacked" ]; then
+  rm -rf "$SGLK_DIR" && mkdir -p "$SGLK_DIR" && tar xzf "$SGLK_BUNDLE" -C "$SGLK_DIR" || return 1
+  # the recorder, imported last by the package itself, so every process that imports
+  # sgl_kernel (the server's scheduler and its TP workers are child processes) records
+  cp "$_sglk_here/sgl_kernel_calls.py" "$SGLK_DIR/"
+  printf '\nimport sgl_kernel_calls as _sglk_calls  # recipe: ci/e2e/real_kernels\n_sglk_calls.install()\n' \
+    >> "$SGLK_DIR/sgl_kernel/__init__.py"
+  touch "$SGLK_DIR/.unpacked"
+fi
+export PYTHONPATH=$SGLK_DIR${PYTHONPATH:+:$PYTHONPATH}
+export SGLK_REAL_LOG=${SGLK_REAL_LOG:-${OUT:-/tmp}/sgl_kernel_real_ops.log}
+# SGLang 0.5.20 checks for sglang-kernel 0.4.7; 0.4.5 carries the ops it calls (above)
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+# norms, activations and RoPE through sglang-kernel's ops, not torch's forward_native
+unset SGLANG_FORCE_FUSED_OP_BACKEND
+python3 -c "import sgl_kernel, torch; assert not getattr(sgl_kernel, 'IS_SGL_KERNEL_STUB', False); \
+import sgl_kernel_calls as c; print('sgl_kernel', sgl_kernel.__file__, len(c.registered_ops()), 'ops registered')" \
+  || { echo "real sgl_kernel does not import from $SGLK_DIR"; return 1; }

@@ -1,0 +1,139 @@
+"""The recipe that runs SGLang on sglang-kernel's real ops (ci/e2e/real_kernels): what can
+be checked without a GPU. A fake sgl_kernel package (pure Python, its ops registered with
+torch.library on the CPU) stands where sglang-kernel 0.4.5's would: the bundle is
+unpacked, the recorder hooked into the package, and every process that calls an op logs
+it once."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "ci" / "e2e" / "real_kernels"
+sys.path.insert(0, str(RECIPE))
+import sgl_kernel_calls as calls  # noqa: E402
+
+_NS = "sglk_calls_test"
+_lib = torch.library.Library(_NS, "DEF")
+_lib.define("double_it(Tensor x) -> Tensor")
+_lib.define("negate(Tensor x) -> Tensor")
+_lib.impl("double_it", lambda x: x * 2, "CPU")
+_lib.impl("negate", lambda x: -x, "CPU")
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """The test namespace's ops wrapped, logging to a file; unwrapped afterwards."""
+    ops = getattr(torch.ops, _NS)
+    before = {name: getattr(ops, name) for name in ("double_it", "negate")}
+    log = tmp_path / "ops.log"
+    wrapped = calls.install(_NS, str(log))
+    yield log, wrapped
+    for name, packet in before.items():
+        setattr(ops, name, packet)
+
+
+def test_every_way_of_calling_an_op_is_recorded_once_per_process(recorded):
+    log, wrapped = recorded
+    assert wrapped == ["double_it", "negate"]
+    ops = getattr(torch.ops, _NS)
+    x = torch.arange(4.0)
+    assert torch.equal(ops.double_it.default(x), x * 2)        # as sglang-kernel's wrappers call
+    assert torch.equal(ops.double_it(x), x * 2)                # as SGLang calls some ops directly
+    assert torch.equal(ops.double_it.default(x), x * 2)
+    assert log.read_text() == f"{os.getpid()} double_it\n"    # once, though called three times
+    assert torch.equal(ops.negate(x), -x)
+    assert calls.summary(str(log))["ops_called_real"] == ["double_it", "negate"]
+    assert ops.double_it.overloads() == ["default"]            # the rest reaches the op itself
+
+
+def test_absent_ops_stay_absent_for_sglangs_hasattr_checks(recorded):
+    assert not hasattr(getattr(torch.ops, _NS), "transfer_embedding_ranges_direct")
+
+
+def test_without_a_log_nothing_is_wrapped():
+    ops = getattr(torch.ops, _NS)
+    packet = ops.double_it
+    assert calls.install(_NS, "") == [] and ops.double_it is packet
+
+
+def test_installing_twice_does_not_wrap_twice(recorded):
+    log, _ = recorded
+    assert calls.install(_NS, str(log)) == []
+
+
+def test_summary_fails_when_an_op_ran_on_a_stand_in(tmp_path, capsys):
+    real, stand_in = tmp_path / "real.log", tmp_path / "stand-in.log"
+    real.write_text("11 rmsnorm\n12 rmsnorm\n12 transfer_kv_direct\n")
+    out = tmp_path / "ops.json"
+    assert calls.main(["--summary", str(real), "--stand-in-log", str(tmp_path / "none.log"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["ops_called_real"] == ["rmsnorm", "transfer_kv_direct"]
+    assert doc["processes_per_op"] == {"rmsnorm": 2, "transfer_kv_direct": 1}
+    assert doc["ops_on_stand_in"] == []
+    stand_in.write_text("moe_align_block_size\n")      # the stand-in bundle logs one op name a line
+    assert calls.main(["--summary", str(real), "--stand-in-log", str(stand_in)]) == 1
+    assert "on a stand-in: 1: moe_align_block_size" in capsys.readouterr().out
+
+
+FAKE_INIT = '''
+import torch
+IS_SGL_KERNEL_STUB = False
+__version__ = "0.4.5"
+_lib = torch.library.Library("sgl_kernel", "DEF")
+_lib.define("rmsnorm(Tensor x) -> Tensor")
+_lib.impl("rmsnorm", lambda x: x / x.norm(), "CPU")
+def rmsnorm(x):
+    return torch.ops.sgl_kernel.rmsnorm.default(x)
+'''
+
+
+def test_setup_hooks_the_recorder_into_the_package_for_every_process(tmp_path):
+    """setup.sh unpacks the bundle, appends the recorder to sgl_kernel/__init__.py and puts
+    it first on PYTHONPATH; a process that imports sgl_kernel and calls an op logs it."""
+    pkg = tmp_path / "src" / "sgl_kernel"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_INIT))
+    bundle = tmp_path / "bundle.tgz"
+    with tarfile.open(bundle, "w:gz") as tar:
+        tar.add(pkg, arcname="sgl_kernel")
+    log, where = tmp_path / "ops.log", tmp_path / "unpacked"
+    script = (f'source {RECIPE}/setup.sh && python3 -c "import sgl_kernel, torch; '
+              f'sgl_kernel.rmsnorm(torch.ones(4)); torch.ops.sgl_kernel.rmsnorm(torch.ones(4))" '
+              f'&& echo "PYTHONPATH=$PYTHONPATH" && echo "FUSED=${{SGLANG_FORCE_FUSED_OP_BACKEND:-unset}}"')
+    env = {**os.environ, "SGLK_BUNDLE": str(bundle), "SGLK_DIR": str(where), "SGLK_REAL_LOG": str(log),
+           "SGLANG_FORCE_FUSED_OP_BACKEND": "torch", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"PYTHONPATH={where}:" in done.stdout and "FUSED=unset" in done.stdout
+    assert "1 ops registered" in done.stdout
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(" rmsnorm")   # the check's import calls nothing
+    # sourced again (a warm machine): not unpacked or hooked twice
+    again = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh"], env=env, capture_output=True, text=True,
+                           cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    assert (where / "sgl_kernel" / "__init__.py").read_text().count("_sglk_calls.install()") == 1
+
+
+def test_setup_refuses_a_stand_in(tmp_path):
+    pkg = tmp_path / "src" / "sgl_kernel"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("IS_SGL_KERNEL_STUB = True\n")
+    bundle = tmp_path / "bundle.tgz"
+    with tarfile.open(bundle, "w:gz") as tar:
+        tar.add(pkg, arcname="sgl_kernel")
+    env = {**os.environ, "SGLK_BUNDLE": str(bundle), "SGLK_DIR": str(tmp_path / "u"),
+           "SGLK_REAL_LOG": str(tmp_path / "ops.log"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh || echo REFUSED"], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    assert "REFUSED" in done.stdout and "real sgl_kernel does not import" in done.stdout

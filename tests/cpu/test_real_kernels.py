@@ -86,6 +86,7 @@ def test_summary_fails_when_an_op_ran_on_a_stand_in(tmp_path, capsys):
 
 FAKE_INIT = '''
 import torch
+from sgl_kernel import elementwise
 IS_SGL_KERNEL_STUB = False
 __version__ = "0.4.5"
 _lib = torch.library.Library("sgl_kernel", "DEF")
@@ -102,6 +103,7 @@ def test_setup_hooks_the_recorder_into_the_package_for_every_process(tmp_path):
     pkg = tmp_path / "src" / "sgl_kernel"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_INIT))
+    (pkg / "elementwise.py").write_text("_has_flashinfer = True\n")   # as if FlashInfer imported
     bundle = tmp_path / "bundle.tgz"
     with tarfile.open(bundle, "w:gz") as tar:
         tar.add(pkg, arcname="sgl_kernel")
@@ -122,6 +124,13 @@ def test_setup_hooks_the_recorder_into_the_package_for_every_process(tmp_path):
                            cwd=ROOT)
     assert again.returncode == 0, again.stderr
     assert (where / "sgl_kernel" / "__init__.py").read_text().count("_sglk_calls.install()") == 1
+    # sglang-kernel's norm wrappers call its own compiled ops, not FlashInfer's JIT ones, unless asked
+    flag = 'python3 -c "import sgl_kernel.elementwise as e; print(\'FLASHINFER\', e._has_flashinfer)"'
+    for setting, expected in ((None, "FLASHINFER False"), ("1", "FLASHINFER True")):
+        run_env = {**env, **({"SGLK_FLASHINFER": setting} if setting else {})}
+        shown = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh >/dev/null && {flag}"], env=run_env,
+                               capture_output=True, text=True, cwd=ROOT)
+        assert expected in shown.stdout, shown.stderr
 
 
 def test_setup_refuses_a_stand_in(tmp_path):

@@ -8,6 +8,10 @@
 #                (default .e2e/sgl_kernel_045_sm90.tgz, made on a machine with PyPI by
 #                ci/e2e/real_kernels/pack.sh)
 #   SGLK_DIR     where it is unpacked (default /tmp/sgl_kernel_real), put first on PYTHONPATH
+#   SGLK_FLASHINFER=1  let sglang-kernel's norm and sampling wrappers call FlashInfer's JIT
+#                kernels where FlashInfer imports (its default; the official image ships
+#                FlashInfer's compiled modules). Default here: its own compiled ops, since a
+#                FlashInfer without its JIT sources fails at the first norm.
 # Every process then logs the sgl_kernel ops it calls to $SGLK_REAL_LOG (default
 # $OUT/sgl_kernel_real_ops.log); `python3 ci/e2e/real_kernels/sgl_kernel_calls.py
 # --summary "$SGLK_REAL_LOG" --stand-in-log "$SGLK_CALL_LOG"` says which ran real and
@@ -20,7 +24,7 @@ if [ ! -f "$SGLK_DIR/.unpacked" ]; then
   # the recorder, imported last by the package itself, so every process that imports
   # sgl_kernel (the server's scheduler and its TP workers are child processes) records
   cp "$_sglk_here/sgl_kernel_calls.py" "$SGLK_DIR/"
-  printf '\nimport sgl_kernel_calls as _sglk_calls  # recipe: ci/e2e/real_kernels\n_sglk_calls.install()\n' \
+  printf '\nimport os as _os, sgl_kernel_calls as _sglk_calls  # recipe: ci/e2e/real_kernels\n_sglk_calls.install()\nif _os.environ.get("SGLK_FLASHINFER", "0") != "1":\n    _sglk_calls.without_flashinfer()\n' \
     >> "$SGLK_DIR/sgl_kernel/__init__.py"
   touch "$SGLK_DIR/.unpacked"
 fi

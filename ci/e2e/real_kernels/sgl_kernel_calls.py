@@ -95,6 +95,24 @@ def install(namespace: str = NAMESPACE, log_path: str | None = None) -> list[str
     return wrapped
 
 
+# sglang-kernel's Python wrappers whose norm and sampling calls go to FlashInfer when it
+# imports (its JIT modules, compiled at first use from sources the carried FlashInfer
+# lacks); without it they call sglang-kernel's own compiled ops
+FLASHINFER_ROUTED = ("sgl_kernel.elementwise", "sgl_kernel.sampling")
+
+
+def without_flashinfer() -> list[str]:
+    """Send sglang-kernel's wrappers to its own compiled ops instead of FlashInfer's JIT
+    ones (the `_has_flashinfer` flag each reads at call time); returns the modules changed."""
+    changed = []
+    for name in FLASHINFER_ROUTED:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "_has_flashinfer", False):
+            module._has_flashinfer = False
+            changed.append(name)
+    return changed
+
+
 def read_log(path: str) -> dict[str, set]:
     """op -> pids that called it, from a log of `<pid> <op>` lines (missing file: empty)."""
     calls: dict[str, set] = {}

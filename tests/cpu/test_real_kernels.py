@@ -133,6 +133,30 @@ def test_setup_hooks_the_recorder_into_the_package_for_every_process(tmp_path):
         assert expected in shown.stdout, shown.stderr
 
 
+def test_setup_moves_a_stand_in_on_the_path_aside(tmp_path):
+    """The e2e bundle's site folder holds a stand-in sgl_kernel; a runner that puts that
+    folder first (the differential gate) must still import the real one."""
+    pkg = tmp_path / "src" / "sgl_kernel"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_INIT))
+    (pkg / "elementwise.py").write_text("_has_flashinfer = False\n")
+    bundle = tmp_path / "bundle.tgz"
+    with tarfile.open(bundle, "w:gz") as tar:
+        tar.add(pkg, arcname="sgl_kernel")
+    site = tmp_path / "site"
+    (site / "sgl_kernel").mkdir(parents=True)
+    (site / "sgl_kernel" / "__init__.py").write_text("IS_SGL_KERNEL_STUB = True\n")
+    (site / "sgl_kernel" / "_standin_ops.py").write_text("")
+    env = {**os.environ, "SGLK_BUNDLE": str(bundle), "SGLK_DIR": str(tmp_path / "u"),
+           "SGLK_REAL_LOG": str(tmp_path / "ops.log"), "PYTHONPATH": str(site),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    shown = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh >/dev/null && PYTHONPATH={site}:$PYTHONPATH "
+                            "python3 -c 'import sgl_kernel; print(\"STUB\", getattr(sgl_kernel, \"IS_SGL_KERNEL_STUB\"))'"],
+                           env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "STUB False" in shown.stdout, shown.stderr
+    assert (site / "sgl_kernel.stand-in" / "_standin_ops.py").exists() and not (site / "sgl_kernel").exists()
+
+
 def test_setup_refuses_a_stand_in(tmp_path):
     pkg = tmp_path / "src" / "sgl_kernel"
     pkg.mkdir(parents=True)

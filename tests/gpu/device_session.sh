@@ -86,6 +86,7 @@ if has kvcached-memory; then
 fi
 if [ -n "${REAL_KERNELS:-}" ]; then
   python3 ci/e2e/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
+    ${SGLK_CALL_LOG:+--stand-in-log "$SGLK_CALL_LOG"} \
     >> "$out/real-kernels.log" 2>&1
   echo "== real sgl_kernel"; cat "$out/real-kernels.log"
 fi

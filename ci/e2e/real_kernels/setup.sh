@@ -28,6 +28,15 @@ if [ ! -f "$SGLK_DIR/.unpacked" ]; then
     >> "$SGLK_DIR/sgl_kernel/__init__.py"
   touch "$SGLK_DIR/.unpacked"
 fi
+# A stand-in sgl_kernel elsewhere on the path (the e2e bundle's, in its site folder) is moved
+# aside: a runner that puts that site folder first (the differential gate does) would
+# otherwise import it instead of the real one
+IFS=: read -r -a _sglk_path <<< "${PYTHONPATH:-}"
+for _sglk_d in "${_sglk_path[@]}"; do
+  if [ -f "$_sglk_d/sgl_kernel/_standin_ops.py" ]; then
+    rm -rf "$_sglk_d/sgl_kernel.stand-in" && mv "$_sglk_d/sgl_kernel" "$_sglk_d/sgl_kernel.stand-in"
+  fi
+done
 export PYTHONPATH=$SGLK_DIR${PYTHONPATH:+:$PYTHONPATH}
 export SGLK_REAL_LOG=${SGLK_REAL_LOG:-${OUT:-/tmp}/sgl_kernel_real_ops.log}
 # SGLang 0.5.20 checks for sglang-kernel 0.4.7; 0.4.5 carries the ops it calls (above)

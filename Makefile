@@ -11,7 +11,7 @@ PRISTINE = $(shell scripts/build-pristine)
 include sglang.pin
 
 .PHONY: all patched sglang venv apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu mutants bench profile link-paths kvcached-memory e2e image wheel ci clean
+        import-patches export-patches test test-gpu mutants bench profile e2e image wheel ci clean
 
 all: patched
 
@@ -90,16 +90,6 @@ bench:
 # unroll (bench/profile_transfers.py); same machine as bench.
 profile:
 	$(PYTHON) bench/profile_transfers.py --native-sglang $(NATIVE_SGLANG) --out bench/profile.json
-
-# Every way of moving a page_first batch against the pinned-copy link, and what each
-# takes from a GEMM running beside it (bench/link_paths.py); the patched tree only.
-link-paths:
-	$(PYTHON) bench/link_paths.py --out bench/link-paths.json
-
-# The same loads into a pool's own memory and into a torch twin of its views, in one
-# process, with and without kvcached (bench/kvcached_memory.py); the patched tree only.
-kvcached-memory:
-	$(PYTHON) bench/kvcached_memory.py --out bench/kvcached-memory.json
 
 # Model-level comparison: SGLang's server, native vs kvcached (ci/e2e/compare_servers.py;
 # results and the exact commands: docs/e2e-results.md). E2E_ARGS picks rows (--pool, --case,

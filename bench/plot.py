@@ -1,6 +1,6 @@
 """Draw bench/transfer_bench.py's JSON: throughput against batch size, a line per variant.
 
-    python bench/plot.py bench/results-h200.json bench/results-h200.png
+    python bench/plot.py bench/results/2026-11-30-h200-all-parts/results.json bench/results/2026-11-30-h200-all-parts/results.png
 
 One panel per (pool, direction, host layout); the pinned-copy bandwidth of the same run
 is the dashed line every panel is bounded by, and 95% of it the dotted grey line (the

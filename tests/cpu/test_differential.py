@@ -158,8 +158,8 @@ def test_gpu_results_in_the_docs_are_the_committed_runs(run):
     import json
 
     root = Path(__file__).resolve().parents[2]
-    runs = {name: json.loads(gzip.decompress((root / "docs" / "differential-runs" /
-                                              f"{run}-{name}.json.gz").read_bytes()))
+    runs = {name: json.loads(gzip.decompress((root / "docs" / "runs" / "differential" / run /
+                                              f"{name}.json.gz").read_bytes()))
             for name in ("pristine", "patched")}
     assert all(run["device"] == "cuda" for run in runs.values())
     assert compare.compare(runs["pristine"], runs["patched"]).first == []

@@ -788,11 +788,11 @@ def test_trained_scale_plugin_redraws_sglangs_dummy_weights():
 def test_results_doc_shows_the_committed_reports():
     # docs/e2e-results.md's tables are what the committed reports say, judged again
     doc = (e2e.ROOT / "docs" / "e2e-results.md").read_text()
-    reports = sorted((e2e.ROOT / "docs" / "e2e-runs").glob("*.json.gz"))
+    reports = sorted((e2e.ROOT / "docs" / "runs" / "e2e").glob("*/report.json.gz"))
     assert reports
     for report in reports:
         rows = e2e.read_rows(report, 0.0)
-        assert verdict.markdown_table(rows) in doc, f"{report.name}: its table is not in docs/e2e-results.md"
+        assert verdict.markdown_table(rows) in doc, f"{report.parent.name}: its table is not in docs/e2e-results.md"
 
 
 def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):

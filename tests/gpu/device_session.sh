@@ -7,8 +7,6 @@
 #              tests/gpu/run_tier.sh)
 #   bench      bench/transfer_bench.py, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
 #   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
-#   link-paths bench/link_paths.py on the patched tree ($LINK_ARGS, e.g. --parts mha --skip-footprint)
-#   kvcached-memory  bench/kvcached_memory.py on the patched tree ($KVM_ARGS, e.g. --processes per-layer)
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
 #              at spaces, no quotes, no file-name globbing)
@@ -76,21 +74,13 @@ if has profile; then
     > "$out/profile.log" 2>&1
   echo "profile exit: $?" >> "$out/profile.log"
 fi
-if has link-paths; then
-  python3 bench/link_paths.py --out "$out/link-paths.json" ${LINK_ARGS:-} > "$out/link-paths.log" 2>&1
-  echo "link-paths exit: $?" >> "$out/link-paths.log"
-fi
-if has kvcached-memory; then
-  python3 bench/kvcached_memory.py --out "$out/kvcached-memory.json" ${KVM_ARGS:-} > "$out/kvcached-memory.log" 2>&1
-  echo "kvcached-memory exit: $?" >> "$out/kvcached-memory.log"
-fi
 if [ -n "${REAL_KERNELS:-}" ]; then
   python3 ci/e2e/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
     ${SGLK_CALL_LOG:+--stand-in-log "$SGLK_CALL_LOG"} \
     >> "$out/real-kernels.log" 2>&1
   echo "== real sgl_kernel"; cat "$out/real-kernels.log"
 fi
-for f in unpatched patched differential bench profile link-paths kvcached-memory; do
+for f in unpatched patched differential bench profile; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }
 done
 exit 0  # each step's exit status is the last line of its log

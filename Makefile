@@ -8,9 +8,12 @@ PATCHED := build/sglang-patched
 SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
 # SGLang's pinned release: SGLANG_VERSION, SGLANG_COMMIT, SGLANG_IMAGE, SGLANG_IMAGE_DIGEST.
+ifeq ($(wildcard sglang.pin),)
+$(error sglang.pin is missing: it pins the SGLang release the series is for (git checkout -- sglang.pin))
+endif
 include sglang.pin
 
-.PHONY: all patched sglang venv apply-patches unapply-patches status check-patches \
+.PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
         import-patches export-patches test test-gpu mutants bench profile e2e image wheel ci clean
 
 all: patched
@@ -18,41 +21,49 @@ all: patched
 sglang:
 	@scripts/build-pristine
 
-$(VENV)/.installed: requirements/cpu.txt
-	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -r requirements/cpu.txt
-	touch $@
+# The test environment (scripts/venv): made again when it is incomplete or broken, when
+# requirements/cpu.txt changes, or when PYTHON is given and differs from the one it was
+# made from; a Python older than requirements/cpu.txt's floor is refused in one line.
+VENV_ENV := SGLANG_VENV_PYTHON_GIVEN=$(if $(filter command line environment,$(origin PYTHON)),1,0) PYTHON=$(PYTHON)
+venv:
+	@$(VENV_ENV) scripts/venv "$(VENV)"
 
-# SGLang's formatters, which scripts/check runs over the patched files.
-$(VENV)/.lint-installed: requirements/lint.txt $(VENV)/.installed
-	$(VPY) -m pip install -q -r requirements/lint.txt
-	touch $@
-
-venv: $(VENV)/.installed
+# With SGLang's formatters, which scripts/check runs over the patched files.
+lint-venv:
+	@$(VENV_ENV) scripts/venv --lint "$(VENV)"
 
 # The main job: pristine 0.5.20 (submodule or wheel) -> a copy with the series applied.
 patched: venv
-	@pristine=$$(scripts/build-pristine) && rm -rf $(PATCHED) && mkdir -p $(PATCHED) && \
+	@pristine=$$(scripts/build-pristine --say) && rm -rf $(PATCHED) && mkdir -p $(PATCHED) && \
 	  cp -a "$$pristine/python" $(PATCHED)/python
 	scripts/apply $(PATCHED)
-	PYTHONPATH=$(PATCHED)/python $(VPY) -c "import sglang.srt.mem_cache.pool_host.mha, \
+	@$(MAKE) -s --no-print-directory import-check
+	@scripts/status $(PATCHED)
+
+# The patched tree imports. SGLang warns at import that its AWQ and GGUF kernels need a
+# GPU ("Only CUDA, ... support ..."): on this CPU-only check that is expected, so those two
+# warnings are not shown; every other warning and any error is.
+import-check:
+	PYTHONPATH=$(PATCHED)/python $(VPY) -W "ignore:Only CUDA:UserWarning" -c "import sglang.srt.mem_cache.pool_host.mha, \
 	  sglang.srt.mem_cache.pool_host.mla, sglang.srt.mem_cache.pool_host.mamba, \
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
 	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
-	@scripts/status $(PATCHED)
 
+# FORCE=1 (only 1) passes --force; SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
+FORCE_FLAG = $(if $(filter 1,$(FORCE)),--force)
 apply-patches:
-	scripts/apply "$(SGLANG_DIR)" $(if $(FORCE),--force)
+	SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 unapply-patches:
-	scripts/reverse "$(SGLANG_DIR)" $(if $(FORCE),--force)
+	SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
 
+# Prints the tree's state and succeeds whatever the state is (scripts/status exits 3 for a
+# tree without the whole series; a script that needs that exit code runs scripts/status).
 status:
-	scripts/status "$(SGLANG_DIR)"
+	@scripts/status "$(SGLANG_DIR)" || [ $$? -eq 3 ]
 
 # Lint, exactness in both layouts, the export round trip and SGLang's formatters.
-check-patches: $(VENV)/.lint-installed
+check-patches: lint-venv
 	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 
 # The work folder of the series as commits: SERIES_WORK (default build/work).
@@ -62,10 +73,14 @@ import-patches:
 export-patches:
 	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
-test: patched $(VENV)/.lint-installed
+# -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
+# the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing).
+test: patched lint-venv
 	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
+	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
+	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
 	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
-	  $(VPY) -m pytest -q -p no:cacheprovider tests/cpu
+	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu
 
 # Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
 # builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.
@@ -130,3 +145,5 @@ ci:
 
 clean:
 	rm -rf build dist
+	@echo "kept $(VENV) (the test environment; make remakes it when it is broken, or when PYTHON or" \
+	  "requirements/cpu.txt change; rm -rf $(VENV) removes it)"

@@ -11,11 +11,19 @@ Protocol (one transaction = the files one apply or reverse changes):
    (os.replace: atomic, so no target is ever missing or half written).
 3. done: the journal says "done"; the old names are removed, then the journal.
 
+Before the swap, the compiled bytecode of every .py file being changed is removed
+(``__pycache__/NAME.*.pyc``): a .pyc checked by hash, or not checked at all
+(``--invalidation-mode unchecked-hash``), would otherwise keep Python running the old
+code. Python compiles the new file again on its next import.
+
 A failure (a folder that refuses new files, an immutable file, a full disk) raises
 before or during the swap and is undone on the spot. A process that dies (SIGKILL,
 power loss) leaves the journal, and the next apply, reverse or status finishes the
 job first: a journal in prepare or swap rolls back (each target whose bytes are the
 new ones gets its old file back), one in done rolls forward (only clean-up was left).
+A file that no longer holds what the journal expects (changed since, or its old copy
+gone) is left as it is and named; the journal is removed either way, so the tree is
+never locked: the scripts' survey then judges such a file like any other.
 SIGINT, SIGTERM and SIGHUP are held while a transaction (or a recovery) runs: one that
 arrives before the swap cancels it (nothing changed), one after lets it finish first.
 
@@ -128,7 +136,16 @@ class Journal:
 
     def read(self) -> dict:
         try:
-            record = json.loads(self.path.read_text())
+            text = self.path.read_text()
+        except PermissionError:
+            owner = _owner(self.path)
+            raise JournalError(
+                f"{self.path}: permission denied. An apply or reverse run by {owner} was cut short in this "
+                f"tree, and finishing it needs that user's rights: run any of scripts/status, apply or "
+                f"reverse on this tree as {owner if owner.startswith('root ') else owner + ' or root'}; "
+                "it finishes or undoes that change first")
+        try:
+            record = json.loads(text)
             assert record["phase"] in ("prepare", "swap", "done") and isinstance(record["files"], list)
             return record
         except (OSError, ValueError, KeyError, AssertionError) as exc:
@@ -140,6 +157,34 @@ class Journal:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         _fsync_dir(self.package_dir)
+
+
+def _owner(path: Path) -> str:
+    """The user owning ``path``, by name where there is one."""
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return "its owner"
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def drop_bytecode(path: Path) -> None:
+    """Remove the compiled bytecode of a .py file (every interpreter's and optimization
+    level's), so that no .pyc, however it is checked, can stand for its old bytes."""
+    if path.suffix != ".py":
+        return
+    cache = path.parent / "__pycache__"
+    if not cache.is_dir():
+        return
+    for pyc in cache.glob(f"{path.stem}.*.pyc"):
+        if pyc.name.split(".")[0] == path.stem:  # not a.b.*.pyc for a.py
+            with contextlib.suppress(FileNotFoundError):
+                pyc.unlink()
 
 
 @contextlib.contextmanager
@@ -210,6 +255,9 @@ def commit(package_dir: Path, changes: list[Change], verb: str) -> OSError | Non
                 _checkpoint(f"link:{number}")
                 _keep_old(change)
                 held.check(finished=False)
+            _checkpoint("bytecode")
+            for change in changes:
+                drop_bytecode(change.path)
             _checkpoint("journal:swap")
             held.check(finished=False)
             journal.write("swap", verb, entries)
@@ -253,29 +301,39 @@ def _keep_old(change: Change) -> None:
         _write_file(old, change.path.read_bytes(), change.path.stat())
 
 
-def _roll_back(package_dir: Path, journal: Journal, entries: list[dict], swapped: bool) -> int:
-    """Put every swapped file back and remove the side files; returns how many were put back.
+def _roll_back(package_dir: Path, journal: Journal, entries: list[dict], swapped: bool) -> tuple[int, list[str]]:
+    """Put every swapped file back and remove the side files; returns how many were put
+    back, and what was left as it is (a file that holds neither its old nor its new bytes,
+    or whose old copy is gone), each with the reason.
 
-    Before the swap (``swapped`` False) no target was touched, so none is restored.
+    Before the swap (``swapped`` False) no target was touched, so none is restored. An old
+    copy that was not put back is kept where its file holds other bytes (it may be the only
+    copy of them); the journal is removed in every case.
     """
-    restored = 0
+    restored, left = 0, []
     for entry in entries:
         change = Change(_inside(package_dir, entry["path"]), b"")
         old = change.sidecar(OLD_SUFFIX)
         current = sha256(change.path.read_bytes()) if change.path.exists() else None
+        keep_old = False
         if swapped and current != entry["old_sha256"]:
             intact = old.exists() and sha256(old.read_bytes()) == entry["old_sha256"]
-            if current != entry["new_sha256"] or not intact:
-                raise JournalError(
-                    f"cannot roll back {change.path}: it holds neither its old nor its new bytes, or its "
-                    f"old copy ({old}) is gone; the journal {journal.path} stays: compare by hand")
-            os.replace(old, change.path)
-            restored += 1
-        for side in (old, change.sidecar(NEW_SUFFIX)):
+            if current == entry["new_sha256"] and intact:
+                os.replace(old, change.path)
+                drop_bytecode(change.path)
+                restored += 1
+            elif intact:  # changed since the kill: keep both, name both
+                keep_old = True
+                left.append(f"{change.path} changed since (its bytes before the change are in {old})")
+            elif current == entry["new_sha256"]:
+                left.append(f"{change.path} keeps the new bytes (its old copy is gone)")
+            else:
+                left.append(f"{change.path} holds neither its old nor its new bytes")
+        for side in ((change.sidecar(NEW_SUFFIX),) if keep_old else (old, change.sidecar(NEW_SUFFIX))):
             with contextlib.suppress(FileNotFoundError):
                 side.unlink()
     journal.remove()
-    return restored
+    return restored, left
 
 
 def _inside(package_dir: Path, relative: str) -> Path:
@@ -285,17 +343,21 @@ def _inside(package_dir: Path, relative: str) -> Path:
     return path
 
 
-def _roll_forward(package_dir: Path, journal: Journal, entries: list[dict]) -> None:
+def _roll_forward(package_dir: Path, journal: Journal, entries: list[dict]) -> list[str]:
+    """Remove what a change that went through left; returns the files changed since."""
+    left = []
     for entry in entries:
         target = _inside(package_dir, entry["path"])
-        if not target.exists() or sha256(target.read_bytes()) != entry["new_sha256"]:
-            raise JournalError(f"{target} changed after an interrupted change finished; the journal "
-                               f"{journal.path} stays: check the file, then remove the journal")
         change = Change(target, b"")
+        if not target.exists() or sha256(target.read_bytes()) != entry["new_sha256"]:
+            left.append(f"{target} changed since")
+        else:
+            drop_bytecode(target)
         for side in (change.sidecar(OLD_SUFFIX), change.sidecar(NEW_SUFFIX)):
             with contextlib.suppress(FileNotFoundError):
                 side.unlink()
     journal.remove()
+    return left
 
 
 def recover(package_dir: Path) -> str | None:
@@ -308,8 +370,12 @@ def recover(package_dir: Path) -> str | None:
     record = journal.read()
     with _HeldSignals():
         if record["phase"] == "done":
-            _roll_forward(package_dir, journal, record["files"])
-            return f"finished an interrupted {record['verb']} (it had swapped every file in)"
-        restored = _roll_back(package_dir, journal, record["files"], swapped=record["phase"] == "swap")
-    return (f"rolled back an interrupted {record['verb']}: {restored} of {len(record['files'])} files "
-            "put back as they were")
+            left = _roll_forward(package_dir, journal, record["files"])
+            note = f"finished an interrupted {record['verb']} (it had swapped every file in)"
+        else:
+            restored, left = _roll_back(package_dir, journal, record["files"], swapped=record["phase"] == "swap")
+            note = (f"rolled back an interrupted {record['verb']}: {restored} of {len(record['files'])} files "
+                    "put back as they were")
+    if left:
+        note += "; left as they are: " + "; ".join(left)
+    return note

@@ -62,9 +62,27 @@ def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
     return pin
 
 
-PIN = read_pin()
+try:
+    PIN = read_pin()
+except SeriesError as _exc:  # every script imports this module first: one line, not a traceback
+    print(f"error: {_exc}", file=sys.stderr)
+    sys.exit(1)
 EXPECTED_VERSION = PIN["SGLANG_VERSION"]
 UPSTREAM_COMMIT = PIN["SGLANG_COMMIT"]
+
+
+def series_edited() -> bool:
+    """patches/series differs from the one committed in this repository (False where this
+    is no git checkout, as in the image)."""
+    proc = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(SERIES_FILE)],
+                          capture_output=True)
+    return proc.returncode == 1
+
+
+def series_note() -> str:
+    return (" (patches/series differs from the committed one, so the series read is the edited one: "
+            "git diff -- patches/series shows how; git checkout -- patches/series restores it)"
+            if series_edited() else "")
 
 
 def read_series() -> list[Path]:
@@ -88,6 +106,11 @@ def touched_files(patch: Path) -> list[str]:
     return paths
 
 
+def _same_blob(a: str | None, b: str | None) -> bool:
+    """Two (possibly abbreviated) blob ids name the same blob; unknown ones match anything."""
+    return not a or not b or a.startswith(b) or b.startswith(a)
+
+
 class Series:
     """The parsed patches, and per file the hunks that touch it in series order."""
 
@@ -99,11 +122,18 @@ class Series:
         self.paths: list[str] = []
         self._hunks: dict[str, list[_hunks.Hunk]] = {}
         self._blobs: dict[str, list[str | None]] = {}
+        last: dict[str, str] = {}  # per file, the patch that touched it last
         for patch in self.patches:
             for diff in patch.files:
                 if diff.path not in self._hunks:
                     self.paths.append(diff.path)
                     self._hunks[diff.path], self._blobs[diff.path] = [], [diff.old_blob]
+                elif not _same_blob(self._blobs[diff.path][-1], diff.old_blob):
+                    raise SeriesError(
+                        f"{SERIES_FILE}: {patch.name} changes {diff.path} as {last[diff.path]} leaves it in "
+                        f"another form (blob {diff.old_blob}, not {self._blobs[diff.path][-1]}): a patch is "
+                        f"missing, added or out of order{series_note()}")
+                last[diff.path] = patch.name
                 self._hunks[diff.path] += diff.hunks
                 self._blobs[diff.path].append(diff.new_blob)
 
@@ -350,6 +380,7 @@ def opened(path: str):
             note = _journal.recover(target.package_dir)
             if note:
                 print(f"note: {target.package_dir}: {note}", file=sys.stderr)
+            _journal._checkpoint("opened")  # tests: a signal here is one before anything is written
             yield target, check_version(target), Series.load()
     except _journal.JournalError as exc:
         raise SeriesError(str(exc))
@@ -357,11 +388,14 @@ def opened(path: str):
         raise SeriesError(f"{exc} received: the interrupted change was recovered first, then stopped",
                           128 + exc.signum)
     except PermissionError as exc:
-        raise SeriesError(f"{exc}: run as a user who can write {target.package_dir}")
+        owner = _journal._owner(target.package_dir)
+        raise SeriesError(f"{exc}: permission denied; run as a user who can write {target.package_dir} "
+                          f"({owner if owner.startswith('root ') else owner + ' or root'})")
 
 
 def write(target: Target, changes: dict[str, bytes], verb: str) -> None:
-    """Swap the new bytes of every upstream path in ``changes`` into the tree, all or none."""
+    """Swap the new bytes of every upstream path in ``changes`` into the tree, all or none.
+    (A symbolic link among them is refused before: refuse_unsafe.)"""
     items = [_journal.Change(target.local_path(p), data) for p, data in changes.items()]
     try:
         leftover = _journal.commit(target.package_dir, items, verb)
@@ -377,9 +411,37 @@ def write(target: Target, changes: dict[str, bytes], verb: str) -> None:
               "the next apply, reverse or status removes them", file=sys.stderr)
 
 
+def symlinks(target: Target, paths) -> list[tuple[str, Path]]:
+    """The series' files that are symbolic links, with where each points."""
+    return [(p, Path(os.readlink(target.local_path(p)))) for p in paths if target.local_path(p).is_symlink()]
+
+
+def force_hint() -> str:
+    """How the user passes --force: the Makefile sets SERIES_FORCE_HINT=FORCE=1."""
+    return os.environ.get("SERIES_FORCE_HINT") or "--force"
+
+
+def leftovers_note(survey: Survey) -> str | None:
+    """A line naming files patch tools left beside the series' files (.rej, .orig), which
+    the scripts never remove: they did not write them."""
+    left = [p for p in survey.foreign if p.name.endswith(PATCH_LEFTOVERS)]
+    if not left:
+        return None
+    return (f"note: left by a patch tool, not part of SGLang, and kept: "
+            f"{', '.join(str(p.relative_to(survey.target.root)) for p in left)} (remove them when done with them)")
+
+
 def refuse_unsafe(survey: Survey, verb: str, force: bool) -> None:
     """Stop before writing when the tree is not SGLang's files plus some of the series' hunks."""
     target = survey.target
+    links = symlinks(target, [p for p, f in survey.files.items() if f.present])
+    if links:
+        raise SeriesError(
+            "files the series changes are symbolic links, which apply and reverse would replace by regular "
+            f"files (they write by rename); nothing changed:\n  "
+            + "\n  ".join(f"{target.show(p)} -> {dest}" for p, dest in links)
+            + "\nrun the script on the tree that holds the real files, or replace each link by a copy "
+              "(cp --remove-destination \"$(readlink -f LINK)\" LINK)")
     if survey.missing:
         raise SeriesError(
             f"{', '.join(target.show(p) for p in survey.missing)} missing from {target.root} (a tool stopped "
@@ -389,12 +451,12 @@ def refuse_unsafe(survey: Survey, verb: str, force: bool) -> None:
         raise SeriesError(
             f"files the series touches hold neither SGLang {EXPECTED_VERSION}'s text nor that text with some "
             f"of the series' hunks; nothing changed:\n  {lines}\nif they hold edits of your own, keep a copy "
-            f"and {restore_hint(target, [f.path for f in survey.conflicts])}")
+            f"and {restore_hint(target, [f.path for f in survey.conflicts])}{series_note()}")
     if survey.local_edits and not force:
         keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
         raise SeriesError(
             f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} outside "
-            f"the series' hunks; pass --force to {keep}); nothing changed:\n  "
+            f"the series' hunks; pass {force_hint()} to {keep}){series_note()}; nothing changed:\n  "
             + "\n  ".join(target.show(p) for p in survey.local_edits))
 
 
@@ -404,8 +466,14 @@ def fail(message: str, code: int = 1):
 
 
 def run_verb(main) -> None:
-    """Run a verb's main(); a SeriesError becomes 'error: ...' and its exit code."""
+    """Run a verb's main(); a SeriesError becomes 'error: ...' and its exit code. Ctrl-C
+    outside a swap (the swap holds it: scripts/_journal.py) comes before anything is
+    written: it says so and exits 130."""
     try:
         sys.exit(main())
     except SeriesError as exc:
         fail(str(exc), exc.code)
+    except KeyboardInterrupt:
+        fail("interrupted (Ctrl-C) before anything was written; nothing changed", 130)
+    except PermissionError as exc:  # reading the tree (a write's are caught where it writes)
+        fail(f"{exc}; nothing changed: run as a user who can read and write the tree")

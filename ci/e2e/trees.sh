@@ -7,6 +7,9 @@
 # A server started with OUT/pristine or OUT/patched first on PYTHONPATH imports that copy
 # and everything else (kvcached, torch, ...) from the interpreter's environment.
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+esac
 root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${1:-python3}
 out=${2:-$root/build/e2e/trees}

@@ -120,3 +120,9 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
     assert proc.returncode == 1 and reason in proc.stderr
     assert "the series was taken out again; the tree is as it was" in proc.stderr
     assert listing(site) == before
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python3", "not-on-path-python"])
+def test_an_interpreter_that_cannot_run_is_one_line(tmp_path, python):
+    proc = install(tmp_path, python=python)
+    assert proc.returncode == 1 and proc.stderr == f"error: cannot run {python}: No such file or directory; nothing changed\n"

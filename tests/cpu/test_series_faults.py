@@ -15,6 +15,8 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,7 +46,8 @@ def steps_of(tree: Path, verb: str, scratch: Path) -> list[str]:
     copy = shutil.copytree(tree, scratch / "traced")
     trace = scratch / "trace"
     assert run(verb, copy, env={"SGLANG_SERIES_TRACE": str(trace)}).returncode == 0
-    steps = trace.read_text().split()
+    # "opened" comes before the transaction (a Ctrl-C there: test_series_tooling.py)
+    steps = [step for step in trace.read_text().split() if step != "opened"]
     assert steps[0] == "journal:prepare" and steps[-1] == "finished" and "swap:10" in steps
     return steps
 
@@ -172,3 +175,58 @@ def test_modes_are_kept(tmp_path, layout):
     for verb in VERBS:
         assert run(verb, tree).returncode == 0
         assert {p: p.stat().st_mode for p in files} == modes, verb
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv (util-linux)")
+def test_a_user_who_cannot_finish_a_killed_swap_is_told_who_can():
+    """A root apply killed during the swap; another user's status names the cause
+    (permission denied) and who can finish it; root's status then does."""
+    shared = Path(tempfile.mkdtemp(prefix="series-other-user-"))  # pytest's own folders are root's alone
+    shared.chmod(0o755)
+    try:
+        check_other_user(shared)
+    finally:
+        shutil.rmtree(shared)
+
+
+def check_other_user(tmp_path: Path) -> None:
+    tree = start_tree(tmp_path, "installed", "apply")
+    before = digest(tree)
+    assert run("apply", tree, env={"SGLANG_SERIES_FAULT": "swap:5"}).returncode == -9
+    nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                             str(_series.ROOT / "scripts" / "status"), str(tree)], capture_output=True, text=True)
+    assert nobody.returncode == 1 and len(nobody.stderr.splitlines()) == 1, nobody.stderr
+    assert "permission denied" in nobody.stderr and "as root" in nobody.stderr
+    assert "not written by these scripts" not in nobody.stderr
+    root = run("status", tree)
+    assert root.returncode == 3 and "rolled back an interrupted apply" in root.stderr
+    assert digest(tree) == before
+
+
+@pytest.mark.parametrize("damage", ["old copies gone", "file changed since"])
+def test_a_swap_that_cannot_be_undone_still_leaves_a_usable_tree(tmp_path, patched_listing, damage):
+    """A reverse killed mid-swap, then its side copies removed by hand (or a swapped file
+    edited): the next verb undoes what it can, names what it leaves, removes the journal,
+    and the tree is usable: apply or reverse then complete it (or refuse an edit, naming it)."""
+    tree = start_tree(tmp_path, "installed", "reverse")
+    pristine = digest(small_tree(tmp_path / "pristine", "installed"))
+    assert run("reverse", tree, env={"SGLANG_SERIES_FAULT": "swap:5"}).returncode == -9
+    olds = sorted(tree.rglob(".*.sglang-series-old"))
+    swapped = [p.with_name(p.name[1:-len(".sglang-series-old")]) for p in olds][:4]
+    if damage == "old copies gone":
+        for old in olds:
+            old.unlink()
+    else:
+        swapped[0].write_bytes(swapped[0].read_bytes() + b"# edited\n")
+    proc = run("status", tree)
+    assert proc.returncode == 3, proc.stderr
+    assert not list(tree.rglob(".sglang-series-journal*"))
+    if damage == "old copies gone":
+        assert proc.stderr.count("keeps the new bytes (its old copy is gone)") == 4
+        assert run("reverse", tree).returncode == 0 and digest(tree) == pristine
+        return
+    kept = swapped[0].with_name(f".{swapped[0].name}.sglang-series-old")
+    assert f"{swapped[0]} changed since (its bytes before the change are in {kept})" in proc.stderr
+    assert kept.exists() and f"foreign: {kept.relative_to(tree)}" in proc.stdout
+    refused = run("apply", tree)
+    assert refused.returncode == 1 and "local edits" in refused.stderr and "nothing changed" in refused.stderr

@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -274,7 +275,9 @@ def test_make_quotes_sglang_dir(tmp_path, patched_listing):
 
 def test_make_shows_import_errors():
     """`make` proves the patched tree imports; a traceback must reach the user."""
-    recipe = (ROOT / "Makefile").read_text().split("\npatched:", 1)[1].split("\n\n", 1)[0]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "import-check" in makefile.split("\npatched:", 1)[1].split("\n\n", 1)[0]
+    recipe = makefile.split("\nimport-check:", 1)[1].split("\n\n", 1)[0]
     assert "import sglang" in recipe and "2>/dev/null" not in recipe and "2>&-" not in recipe
 
 
@@ -330,3 +333,107 @@ def test_a_hunk_found_in_the_wrong_place_is_a_conflict(tmp_path):
     edited = pristine.replace("return 1", "return 2", 1)  # only the first, wrong copy
     state = _hunks.analyse("python/sglang/x.py", edited.encode(), hunks, None)
     assert state.conflict and not state.consistent
+
+
+def test_bytecode_of_changed_files_cannot_outlive_them(tree, layout):
+    """A tree compiled with unchecked-hash .pyc files (Python never compares them with the
+    source): after apply and after reverse, Python loads each changed module's new code."""
+    import importlib.machinery
+    import importlib.util
+
+    def loaded(path: Path):
+        name = path.stem
+        return importlib.machinery.SourceFileLoader(name, str(path)).get_code(name)
+
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash", str(tree)],
+                   check=True)
+    modules = [tree / local(layout, p) for p in _series.Series.load().paths if p.endswith(".py")]
+    assert all(Path(importlib.util.cache_from_source(str(m))).exists() for m in modules)
+    untouched = next(tree.rglob("sglang/_version.py"))
+    kept = Path(importlib.util.cache_from_source(str(untouched)))
+    for verb in ("apply", "reverse"):
+        assert run(verb, tree).returncode == 0
+        for module in modules:
+            assert loaded(module) == compile(module.read_bytes(), str(module), "exec"), (verb, module)
+    assert kept.exists()  # the bytecode of files the series does not change stays
+
+
+def test_patch_leftovers_are_named_by_apply_and_reverse_and_kept(tree, layout):
+    rej = (tree / local(layout, MAMBA)).with_name("mamba.py.rej")
+    orig = (tree / local(layout, MAMBA)).with_name("mamba.py.orig")
+    rej.write_text("@@ rejected @@\n")
+    orig.write_text("original\n")
+    for verb in ("apply", "reverse"):
+        proc = run(verb, tree)
+        assert proc.returncode == 0, proc.stderr
+        assert f"{local(layout, MAMBA)}.orig, {local(layout, MAMBA)}.rej" in proc.stderr
+        assert "note: left by a patch tool" in proc.stderr
+    assert rej.read_text() == "@@ rejected @@\n" and orig.read_text() == "original\n"
+
+
+def test_a_symlinked_file_is_refused_and_named(tree, layout, tmp_path):
+    mamba = tree / local(layout, MAMBA)
+    real = tmp_path / "elsewhere" / "mamba.py"
+    real.parent.mkdir()
+    shutil.copy2(mamba, real)
+    mamba.unlink()
+    mamba.symlink_to(real)
+    before = digest(tree), real.read_bytes()
+    proc = run("apply", tree)
+    assert proc.returncode == 1 and "nothing changed" in proc.stderr
+    assert f"{local(layout, MAMBA)} -> {real}" in proc.stderr and "symbolic links" in proc.stderr
+    assert (digest(tree), real.read_bytes()) == before and mamba.is_symlink()
+    assert f"symbolic link: {local(layout, MAMBA)} -> {real}" in run("status", tree).stdout
+
+
+def repo_copy(tmp_path: Path) -> Path:
+    """This repository's scripts and patches in a scratch folder (they find sglang.pin and
+    patches/ beside themselves)."""
+    root = tmp_path / "repo"
+    for part in ("scripts", "patches"):
+        shutil.copytree(ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "sglang.pin", root / "sglang.pin")
+    return root
+
+
+def test_a_series_with_a_patch_missing_or_moved_is_refused(tree, tmp_path):
+    root = repo_copy(tmp_path)
+    names = series_names()
+    before = digest(tree)
+    # 0009 and 0010 both change kernels/ops/kvcache/hicache.py: dropping 0009 breaks the
+    # chain of blob ids (0010 expects the file as 0009 leaves it), and so does swapping them.
+    for edited in ([n for n in names if not n.startswith("0009-")], names[:8] + [names[9], names[8]]):
+        (root / "patches" / "series").write_text("\n".join(edited) + "\n")
+        for verb in ("apply", "status"):
+            proc = subprocess.run([sys.executable, str(root / "scripts" / verb), str(tree)], capture_output=True,
+                                  text=True)
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+            assert "a patch is missing, added or out of order" in proc.stderr and "Traceback" not in proc.stderr
+    assert digest(tree) == before
+
+
+@pytest.mark.parametrize("pin", ["missing", "SGLANG_VERSION = 0.5.20\n", 'SGLANG_VERSION="0.5.20"\n',
+                                 "SGLANG_COMMIT=abc\n"])
+def test_a_missing_or_malformed_pin_is_one_line(tmp_path, pin):
+    root = repo_copy(tmp_path)
+    if pin == "missing":
+        (root / "sglang.pin").unlink()
+    else:
+        (root / "sglang.pin").write_text(pin)
+    for script, *args in (("status", tmp_path), ("apply", tmp_path), ("install-into-python", "--python", "python3"),
+                          ("build-pristine",), ("fetch-wheel",)):
+        proc = subprocess.run([str(root / "scripts" / script), *map(str, args)], capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, \
+            (script, proc.stderr)
+        assert "sglang.pin" in proc.stderr and not (root / "build").exists()
+
+
+@pytest.mark.parametrize("verb", ["apply", "reverse", "status"])
+def test_ctrl_c_before_anything_is_written_is_one_line_and_130(tree, verb):
+    if verb == "reverse":
+        assert run("apply", tree).returncode == 0
+    before = digest(tree)
+    proc = run(verb, tree, env={"SGLANG_SERIES_FAULT": "opened:SIGINT"})
+    assert proc.returncode == 130 and proc.stderr == (
+        "error: interrupted (Ctrl-C) before anything was written; nothing changed\n")
+    assert digest(tree) == before

@@ -62,6 +62,35 @@ def _accepts(port: int) -> bool:
         return False
 
 
+IBVERBS = "libibverbs.so.1"
+REQUIRE_ENV = "SGLANG_TEST_REQUIRE_MOONCAKE"
+
+
+def missing_libibverbs() -> str | None:
+    """Why Mooncake's native libraries cannot load here (None when they can): they link
+    libibverbs.so.1 (Debian's libibverbs1), even for TCP on loopback."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(IBVERBS)
+    except OSError:
+        return (f"{IBVERBS} missing: Mooncake's libraries link it (as root: apt-get install libibverbs1, "
+                "as .ci/run does)")
+    return None
+
+
+def require_mooncake() -> None:
+    """Skip (with the reason, shown by `make test`'s -rs) where libibverbs1 is missing; fail
+    instead where $SGLANG_TEST_REQUIRE_MOONCAKE=1 (.ci/run, which installs it)."""
+    import pytest
+
+    reason = missing_libibverbs()
+    if reason and os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires the Mooncake tests to run")
+    if reason:
+        pytest.skip(reason)
+
+
 class MooncakeMaster:
     """mooncake_master with its HTTP metadata server, on loopback ports chosen here.
 

@@ -1,0 +1,243 @@
+"""The first hour: the Makefile and the scripts around it, run as a newcomer runs them.
+
+The Python floor (the pins' own Requires-Python), scripts/venv (refuses an old Python in
+one line; makes a broken, half-built or other-interpreter venv again), `make`'s import
+check (no GPU-only warnings, errors shown), `make status` and FORCE, every script's
+--help (usage, exit 0, nothing done), the Mooncake skip without libibverbs1, and .gitignore.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import l3_storage as l3
+
+pytestmark = pytest.mark.project_files
+ROOT = Path(__file__).resolve().parents[2]
+REQS = ROOT / "requirements" / "cpu.txt"
+
+
+def floor(reqs: Path = REQS) -> tuple[int, ...]:
+    found = re.findall(r"^# requires-python: >=([0-9.]+)", reqs.read_text(), re.M)
+    assert len(found) == 1
+    return tuple(map(int, found[0].split(".")))
+
+
+def pins(*names: str) -> list[tuple[str, str]]:
+    out = []
+    for name in names:
+        for line in (ROOT / "requirements" / name).read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                package, version = line.split("==")
+                out.append((package.strip(), version.strip()))
+    return out
+
+
+def lowest(spec: str) -> tuple[int, ...]:
+    """The oldest Python a Requires-Python allows (its >= clause; none: 0)."""
+    found = re.search(r">=\s*([0-9.]+)", spec or "")
+    return tuple(int(x) for x in found.group(1).rstrip(".").split(".")[:2]) if found else (0,)
+
+
+def test_the_python_floor_is_the_pins_own():
+    """The floor scripts/venv enforces is the highest Requires-Python of the installed pins."""
+    needs = {}
+    for package, version in pins("cpu.txt", "lint.txt"):
+        meta = importlib.metadata.metadata(package)
+        assert meta["Version"] == version, package  # the environment this runs in is the pinned one
+        needs[package] = lowest(meta.get("Requires-Python"))
+    assert floor() == max(needs.values())
+    why = re.search(r"^# requires-python: >=[0-9.]+ \((.*) need it\)$", REQS.read_text(), re.M).group(1)
+    named = {p.split()[0] for p in why.replace(" and ", ", ").split(", ")}
+    assert named == {p for p, need in needs.items() if need == floor()}
+
+
+def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
+    """scripts/venv in a scratch root whose requirements/cpu.txt pins nothing."""
+    root = tmp_path / "root"
+    (root / "scripts").mkdir(parents=True)
+    (root / "requirements").mkdir()
+    shutil.copy2(ROOT / "scripts" / "venv", root / "scripts" / "venv")
+    (root / "requirements" / "cpu.txt").write_text(f"# requires-python: >={requirement_floor} (x 1.0 needs it)\n")
+    (root / "requirements" / "lint.txt").write_text("")
+    return root
+
+
+def venv(root: Path, *args: str, python: str = sys.executable, given: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_VENV")}
+    env.update(PYTHON=python, SGLANG_VENV_PYTHON_GIVEN="1" if given else "0")
+    return subprocess.run([str(root / "scripts" / "venv"), *args], cwd=root, capture_output=True, text=True, env=env)
+
+
+def test_an_old_python_is_refused_in_one_line_before_anything_is_made(tmp_path):
+    root = copy_for_venv(tmp_path, "99.0")
+    proc = venv(root, ".venv")
+    assert proc.returncode == 1 and not (root / ".venv").exists()
+    assert len(proc.stderr.splitlines()) == 1 and "needs Python 99.0 or newer" in proc.stderr
+    assert f"is Python {sys.version.split()[0]}" in proc.stderr and "make PYTHON=python99.0" in proc.stderr
+    missing = venv(root, ".venv", python=str(tmp_path / "no-python"))
+    assert missing.returncode == 1 and len(missing.stderr.splitlines()) == 1 and "cannot run" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def made_venv(tmp_path_factory):
+    """A venv made by scripts/venv from an empty requirements file (pip upgraded, nothing else)."""
+    root = copy_for_venv(tmp_path_factory.mktemp("venv"), "3.0")
+    proc = venv(root, ".venv")
+    assert proc.returncode == 0, proc.stderr
+    assert "installing the test environment into .venv with Python" in proc.stderr
+    return root
+
+
+def stamp(root: Path) -> str:
+    return (root / ".venv" / ".installed").read_text()
+
+
+def test_a_whole_venv_is_left_alone(made_venv):
+    marker = made_venv / ".venv" / "marker"
+    marker.write_text("")
+    proc = venv(made_venv, ".venv")
+    assert proc.returncode == 0 and proc.stderr == "" and marker.exists()
+    given = venv(made_venv, ".venv", given=True)  # the same interpreter, named
+    assert given.returncode == 0 and given.stderr == "" and marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["half-built", "interpreter gone", "requirements changed", "other python given"])
+def test_a_broken_or_outdated_venv_is_made_again(made_venv, tmp_path, damage):
+    root = shutil.copytree(made_venv, tmp_path / "copy", symlinks=True)
+    (root / ".venv" / "marker").write_text("")
+    python, given = sys.executable, False
+    if damage == "half-built":  # a pip install that failed: no stamp
+        (root / ".venv" / ".installed").unlink()
+    elif damage == "interpreter gone":
+        for link in (root / ".venv" / "bin").glob("python*"):
+            link.unlink()
+            link.symlink_to(tmp_path / "gone")
+    elif damage == "requirements changed":
+        with (root / "requirements" / "cpu.txt").open("a") as handle:
+            handle.write("# a new line\n")
+    else:
+        other = tmp_path / "python-elsewhere"  # another path to the same interpreter counts as the same
+        other.symlink_to(Path(sys.executable).resolve())
+        python, given = shutil.which("python3", path="/usr/bin") or "", True
+        if not python or Path(python).resolve() == Path(sys.executable).resolve():
+            pytest.skip("no second Python interpreter at /usr/bin/python3 here")
+        same = venv(root, ".venv", python=str(other), given=True)
+        assert same.returncode == 0 and same.stderr == ""
+    proc = venv(root, ".venv", python=python, given=given)
+    if damage == "other python given" and proc.returncode == 1 and "or newer" in proc.stderr:
+        return  # /usr/bin/python3 is below the floor: refused, and said so, before the venv is touched
+    assert proc.returncode == 0, proc.stderr
+    assert "making .venv again" in proc.stderr and not (root / ".venv" / "marker").exists()
+    assert venv(root, ".venv", python=python, given=given).stderr == ""  # whole now
+    assert stamp(root).splitlines()[1] == "requirements " + hashlib.sha256(
+        (root / "requirements" / "cpu.txt").read_bytes()).hexdigest()
+
+
+def make(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), *args], capture_output=True,
+                          text=True, env={**os.environ, **env})
+
+
+def test_the_import_check_hides_only_the_gpu_warnings(tmp_path):
+    """`make`'s import of the patched tree prints no AWQ/GGUF "Only CUDA ..." warning, but
+    still shows any other error in full."""
+    tree = os.environ["PYTHONPATH"].split(os.pathsep)[0]  # the patched tree's python/ (make test sets it)
+    proc = make("import-check", f"PATCHED={Path(tree).parent}", f"VPY={sys.executable}")
+    assert proc.returncode == 0 and "patched SGLang 0.5.20 imports from" in proc.stdout, proc.stderr
+    assert "Warning" not in proc.stderr and "Only CUDA" not in proc.stderr, proc.stderr
+    broken = tmp_path / "broken" / "python" / "sglang"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a real error')\n")
+    proc = make("import-check", f"PATCHED={broken.parent.parent}", f"VPY={sys.executable}")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ImportError: a real error" in proc.stderr
+
+
+SCRIPTS = sorted([p for p in (ROOT / "scripts").iterdir() if not p.name.startswith("_") and os.access(p, os.X_OK)]
+                 + list((ROOT / "ci" / "e2e").glob("*.sh")))
+
+
+def test_every_script_is_listed():
+    names = {p.name for p in SCRIPTS}
+    assert {"apply", "reverse", "status", "build-pristine", "fetch-wheel", "venv", "trees.sh"} <= names
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help_says_how_and_does_nothing(tmp_path, script, flag):
+    """Each script run from a scratch copy of this repository's scripts: its usage on
+    stdout, exit 0, and no file made or changed in the copy (nor in build/)."""
+    root = tmp_path / "root"
+    for part in ("scripts", "patches", "ci/e2e", "requirements"):
+        shutil.copytree(ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "sglang.pin", root / "sglang.pin")
+    before = sorted(p for p in root.rglob("*") if "__pycache__" not in p.parts)
+    copy = root / script.relative_to(ROOT)
+    proc = subprocess.run([str(copy), flag], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHON": str(tmp_path / "no-python")})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout.lower()
+    assert ("usage" in text or f"scripts/{script.name}" in text or script.name in text) and len(text.splitlines()) > 2
+    assert sorted(p for p in root.rglob("*") if "__pycache__" not in p.parts) == before
+    assert not (tmp_path / "build").exists()
+
+
+def test_status_help_gives_the_exit_codes():
+    text = subprocess.run([str(ROOT / "scripts" / "status"), "--help"], capture_output=True, text=True).stdout
+    for code in ("0 ", "3 ", "1 ", "130"):
+        assert re.search(rf"^\s+{code}", text, re.M), code
+
+
+def test_make_status_prints_the_state_without_an_error(tmp_path):
+    from tests.support.series_trees import needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
+    pristine = Path(os.environ["PRISTINE_SGLANG"])
+    proc = make("status", f"SGLANG_DIR={pristine}")
+    assert proc.returncode == 0 and "series pristine" in proc.stdout and "Error" not in proc.stderr, proc.stderr
+    assert subprocess.run([str(ROOT / "scripts" / "status"), str(pristine)], capture_output=True).returncode == 3
+    bad = make("status", f"SGLANG_DIR={tmp_path}")  # not a tree: an error still fails
+    assert bad.returncode != 0 and "not an SGLang tree" in bad.stderr
+
+
+@pytest.mark.parametrize("force", ["0", "no", "1"])
+def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
+    from tests.support.series_trees import local, small_tree
+
+    tree = small_tree(tmp_path / "tree", "installed")
+    mamba = tree / local("installed", "python/sglang/srt/mem_cache/pool_host/mamba.py")
+    mamba.write_bytes(mamba.read_bytes() + b"# a local edit\n")
+    proc = make("apply-patches", f"SGLANG_DIR={tree}", f"FORCE={force}")
+    if force == "1":
+        assert proc.returncode == 0 and "applied 10 patches" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode != 0 and "pass FORCE=1 to apply the series over them" in proc.stderr
+        assert "--force" not in proc.stderr
+    direct = subprocess.run([str(ROOT / "scripts" / "reverse"), str(tree)], capture_output=True, text=True)
+    if force == "1":  # run directly, the script names its own option
+        assert "pass --force to take the series out" in direct.stderr
+
+
+def test_the_mooncake_tests_skip_with_a_reason_or_fail_where_required(monkeypatch):
+    monkeypatch.setattr(l3, "IBVERBS", "libno-such-library.so.1")
+    monkeypatch.delenv(l3.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="libno-such-library.so.1 missing.*apt-get install libibverbs1"):
+        l3.require_mooncake()
+    monkeypatch.setenv(l3.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="requires the Mooncake tests to run"):
+        l3.require_mooncake()
+    recipe = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert " -rs " in recipe and "libibverbs.so.1" in recipe  # the reason reaches the summary
+    assert "SGLANG_TEST_REQUIRE_MOONCAKE=1 make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_build_outputs_are_ignored():
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "dist/x.whl", "build/x", ".venv/x"],
+                             capture_output=True, text=True).stdout.split()
+    assert ignored == ["dist/x.whl", "build/x", ".venv/x"]

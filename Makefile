@@ -124,12 +124,13 @@ else
 endif
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
-# daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot),
+# daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot
+# --format docker: in its default OCI format podman drops SHELL, and RUN loses pipefail),
 # IMAGE_BASE (default: the official image by digest; e.g. the stand-in base that
 # ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG.
 CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
   elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
-IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot)
+IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
 IMAGE_BASE ?= $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST)
 IMAGE_BASE_DIGEST ?= $(if $(filter $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST),$(IMAGE_BASE)),$(SGLANG_IMAGE_DIGEST),unknown)
 IMAGE_TAG ?= sglang-elastic-hicache:$(SGLANG_VERSION)

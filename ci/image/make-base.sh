@@ -10,9 +10,8 @@
 #   ci/image/make-base.sh [TAG]      (default localhost/sglang-standin:v0.5.20-cu130)
 #
 # CONTAINER_ENGINE (docker or podman; default whichever is installed, podman first),
-# IMAGE_BUILD_FLAGS (default for podman: --isolation=chroot), IMAGE_RUN_FLAGS (e.g. ulimits),
-# BASE_WORK (rootfs tarball,
-# wheelhouse and logs; default /var/tmp/sglang-standin), DEBIAN_SUITE (default trixie:
+# IMAGE_BUILD_FLAGS (default for podman: --isolation=chroot --format docker, as make image),
+# IMAGE_RUN_FLAGS (e.g. ulimits), BASE_WORK (rootfs tarball, wheelhouse and logs; default /var/tmp/sglang-standin), DEBIAN_SUITE (default trixie:
 # Python 3.13; Debian has no 3.12), DEBIAN_MIRROR.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,7 +28,7 @@ toolkit_version=13.0.3.0   # PyPI's cuda-toolkit that torch 2.13.0's CUDA wheels
 engine=${CONTAINER_ENGINE:-$(command -v podman >/dev/null && echo podman || echo docker)}
 command -v "$engine" >/dev/null || { echo "error: container engine '$engine' not found (set CONTAINER_ENGINE)" >&2; exit 2; }
 if [ -z "${IMAGE_BUILD_FLAGS+x}" ]; then
-  IMAGE_BUILD_FLAGS=$([ "$(basename "$engine")" = podman ] && echo --isolation=chroot || true)
+  IMAGE_BUILD_FLAGS=$([ "$(basename "$engine")" = podman ] && echo "--isolation=chroot --format docker" || true)
 fi
 mkdir -p "$work/wheels" "$work/logs"
 stamp() { printf '%s %s\n' "$(date -u +%FT%TZ)" "$*" | tee -a "$work/logs/steps.log"; }

@@ -124,9 +124,12 @@ def copy_sources(dockerfile_text: str) -> list[str]:
     for keyword, args in _instructions(dockerfile_text):
         if keyword not in ("COPY", "ADD"):
             continue
+        flags = []
+        while args.startswith("--"):
+            flag, _, args = args.partition(" ")
+            flags.append(flag)
+            args = args.lstrip()
         words = json.loads(args) if args.startswith("[") else shlex.split(args)
-        flags = [w for w in words if w.startswith("--")]
-        words = [w for w in words if not w.startswith("--")]
         if any(f.startswith("--from=") for f in flags) or len(words) < 2:
             continue
         sources += [w for w in words[:-1] if not re.match(r"^[a-z]+://", w)]

@@ -1,15 +1,18 @@
 # syntax=docker/dockerfile:1
 # SGLang 0.5.20 (the official CUDA 13 image, pinned by digest) with kvcached 0.1.6 and the
 # elastic-HiCache patch series applied to the SGLang the image's Python imports.
-# Build: `make image` (no GPU needed), which passes sglang.pin's values as the build
-# arguments below (their defaults equal sglang.pin; the CPU tier checks it). Run: see
-# README.md ("docker run").
+# Build: `make image` (no GPU needed; docker or podman), which passes sglang.pin's values
+# as the build arguments below (their defaults equal sglang.pin; the CPU tier checks it).
+# BASE_IMAGE (make's IMAGE_BASE) replaces the official image, e.g. with the stand-in that
+# ci/image/make-base.sh builds (docs/image.md). Run: see README.md ("docker run").
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.20-cu130
 ARG SGLANG_IMAGE_DIGEST=sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f
-FROM ${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}
+ARG BASE_IMAGE=${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}
+ARG BASE_IMAGE_DIGEST=${SGLANG_IMAGE_DIGEST}
+FROM ${BASE_IMAGE}
 
-ARG SGLANG_IMAGE
-ARG SGLANG_IMAGE_DIGEST
+ARG BASE_IMAGE
+ARG BASE_IMAGE_DIGEST
 ARG SGLANG_VERSION=0.5.20
 ARG SGLANG_COMMIT=94602c9c2b7cbdb8efd5c52802dac6a1c180089e
 ARG REVISION=unknown
@@ -25,8 +28,8 @@ LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
       org.opencontainers.image.version="${SGLANG_VERSION}-elastic-hicache" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.source="${SOURCE}" \
-      org.opencontainers.image.base.name="${SGLANG_IMAGE}" \
-      org.opencontainers.image.base.digest="${SGLANG_IMAGE_DIGEST}"
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.base.digest="${BASE_IMAGE_DIGEST}"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/elastic-hicache

@@ -128,11 +128,24 @@ else
 	  --set hf $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(E2E_ARGS) --out $(E2E_OUT)
 endif
 
+# The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
+# daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot
+# --format docker: in its default OCI format podman drops SHELL, and RUN loses pipefail),
+# IMAGE_BASE (default: the official image by digest; e.g. the stand-in base that
+# ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG.
+CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
+  elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
+IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
+IMAGE_BASE ?= $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST)
+IMAGE_BASE_DIGEST ?= $(if $(filter $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST),$(IMAGE_BASE)),$(SGLANG_IMAGE_DIGEST),unknown)
+IMAGE_TAG ?= sglang-elastic-hicache:$(SGLANG_VERSION)
 image:
-	docker build --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
+	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_FLAGS) --build-arg BASE_IMAGE=$(IMAGE_BASE) \
+	  --build-arg BASE_IMAGE_DIGEST=$(IMAGE_BASE_DIGEST) \
+	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
 	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t sglang-elastic-hicache:$(SGLANG_VERSION) .
+	  -t $(IMAGE_TAG) .
 
 # PyPI's wheel of the pinned release with the series applied (scripts/build-wheel), checked
 # against the pristine tree in use (the submodule or the wheel's own tree).

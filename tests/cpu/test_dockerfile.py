@@ -95,7 +95,10 @@ def test_hadolint_passes():
 
 def test_base_image_is_pinned_by_digest():
     froms = args_of("FROM")
-    assert froms == ["${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}"]
+    assert froms == ["${BASE_IMAGE}"]
+    defaults = dict(a.split("=", 1) for a in args_of("ARG") if "=" in a)
+    assert defaults["BASE_IMAGE"] == "${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}"
+    assert defaults["BASE_IMAGE_DIGEST"] == "${SGLANG_IMAGE_DIGEST}"
     assert PIN["SGLANG_IMAGE"] == "lmsysorg/sglang:v0.5.20-cu130" and PIN["SGLANG_IMAGE_DIGEST"] == OFFICIAL_DIGEST
 
 
@@ -111,7 +114,7 @@ def test_oci_labels():
     labels = " ".join(args_of("LABEL"))
     for key in ("source", "revision", "version", "base.name", "base.digest"):
         assert f"org.opencontainers.image.{key}=" in labels, key
-    assert '"${SGLANG_IMAGE_DIGEST}"' in labels and '"${REVISION}"' in labels
+    assert '"${BASE_IMAGE_DIGEST}"' in labels and '"${BASE_IMAGE}"' in labels and '"${REVISION}"' in labels
 
 
 def test_kvcached_is_built_against_the_image_torch():
@@ -152,7 +155,167 @@ def test_the_failure_check_catches_a_chain_that_swallows_failures(tmp_path, muta
     assert failures_the_build_survives(mutated, tmp_path)
 
 
-@pytest.mark.parametrize("arg", ["SGLANG_IMAGE", "SGLANG_IMAGE_DIGEST", "SGLANG_VERSION", "SGLANG_COMMIT", "REVISION"])
+@pytest.mark.parametrize("arg", ["SGLANG_IMAGE", "SGLANG_IMAGE_DIGEST", "SGLANG_VERSION", "SGLANG_COMMIT", "REVISION",
+                                 "BASE_IMAGE", "BASE_IMAGE_DIGEST"])
 def test_make_image_passes_the_build_args(arg):
     recipe = (ROOT / "Makefile").read_text().split("\nimage:", 1)[1].split("\n\n", 1)[0]
     assert f"--build-arg {arg}=" in recipe
+
+
+def make_image(*overrides: str) -> str:
+    """The commands `make image` would run (make -n), with the variables given."""
+    proc = subprocess.run(["make", "-s", "-n", "image", *overrides], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_image_with_docker_or_podman():
+    official = f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"
+    docker = make_image("CONTAINER_ENGINE=docker")
+    assert docker.startswith("docker build ") and "--isolation" not in docker
+    assert f"--build-arg BASE_IMAGE={official} " in docker
+    assert f"--build-arg BASE_IMAGE_DIGEST={PIN['SGLANG_IMAGE_DIGEST']} " in docker
+    podman = make_image("CONTAINER_ENGINE=/usr/bin/podman")
+    # podman's default OCI format drops SHELL (RUN would lose bash's pipefail): docker format.
+    assert podman.startswith("/usr/bin/podman build --isolation=chroot --format docker ")
+    assert args_of("SHELL") == ['["/bin/bash", "-o", "pipefail", "-c"]']
+    assert make_image("CONTAINER_ENGINE=podman", "IMAGE_BUILD_FLAGS=--layers").startswith("podman build --layers ")
+    other = make_image("CONTAINER_ENGINE=docker", "IMAGE_BASE=localhost/base:1", "IMAGE_TAG=t:1")
+    assert "--build-arg BASE_IMAGE=localhost/base:1 " in other and "--build-arg BASE_IMAGE_DIGEST=unknown " in other
+    assert other.rstrip().endswith("-t t:1 .")
+
+
+# The build context: .dockerignore by Docker's rules (tests/support/build_context.py).
+
+def test_every_copy_source_is_in_the_build_context():
+    """The defect a real build found: `*` let in only some folders, and the first COPY
+    (sglang.pin) failed. Every COPY/ADD source must be sent."""
+    from tests.support.build_context import copy_sources, missing_sources
+    dockerfile = DOCKERFILE.read_text()
+    assert {"sglang.pin", "patches/", "scripts/", "tests/", "ci/"} <= set(copy_sources(dockerfile))
+    assert missing_sources(ROOT, dockerfile) == []
+    # The .dockerignore before the fix: the check names the file the build stopped at.
+    before = (ROOT / ".dockerignore").read_text().replace("!sglang.pin\n", "")
+    assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
+
+
+def test_build_context_skips_other_stages_and_urls():
+    from tests.support.build_context import copy_sources
+    text = 'FROM a AS b\nCOPY --from=b /x /y\nADD https://h/f /f\nCOPY --chown=1:1 ["p q", "r", "/d/"]\nADD s \\\n  /t\n'
+    assert copy_sources(text) == ["p q", "r", "s"]
+
+
+@pytest.mark.parametrize("ignore, path, sent", [
+    ("*\n!patches/\n", "patches/0001.patch", True),      # an exception re-includes a folder
+    ("*\n!patches/\n", "sglang.pin", False),
+    ("!patches/\n*\n", "patches/0001.patch", False),     # the last matching pattern decides
+    ("tests\n", "tests/cpu/a.py", False),                  # a folder's pattern covers what is below
+    ("/tests\n", "tests/a.py", False),                     # a leading / is the context's root
+    ("tests\n", "ci/tests/a.py", True),                    # ... and without ** it is only there
+    ("**/__pycache__\n", "__pycache__/a.pyc", False),      # ** before a name: zero or more folders
+    ("**/__pycache__\n", "tests/cpu/__pycache__/a.pyc", False),
+    ("__pycache__\n", "tests/__pycache__/a.pyc", True),
+    ("scripts/**\n", "scripts/a/b", False),               # a trailing ** matches everything below
+    ("a/**/b\n", "a/b", False), ("a/**/b\n", "a/x/y/b", False), ("a/**/b\n", "a/xb", True),
+    ("*.md\n", "docs/x.md", True), ("*/*.md\n", "docs/x.md", False), ("*.md\n", "README.md", False),
+    ("?.txt\n", "a.txt", False), ("?.txt\n", "ab.txt", True),
+    ("[ab].txt\n", "b.txt", False), ("[ab].txt\n", "c.txt", True),
+    ("# *\n\n", "x", True),                                 # comments and blank lines
+    ("  *  \n  ! x \n", "x", True),                         # blanks around a pattern
+    ("./a//b/\n", "a/b/c", False),                         # patterns are cleaned as paths
+    ("*\n!a\nb\n", "a/b", True), ("*\n!a\na/b\n", "a/b", False),
+    ("a.b\n", "axb", True),                                # . is literal
+])
+def test_dockerignore_rules(ignore, path, sent):
+    from tests.support.build_context import excluded, parse_dockerignore
+    assert excluded(path, parse_dockerignore(ignore)) is (not sent)
+
+
+def test_missing_sources_for_files_folders_and_globs(tmp_path):
+    from tests.support.build_context import missing_sources
+    for rel in ("a.pin", "d/x.py", "d/__pycache__/x.pyc", "e/__pycache__/y.pyc", "g/one.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    dockerfile = "FROM x\nCOPY a.pin d/ e/ g/*.txt ./\nCOPY nowhere /n\n"
+    assert missing_sources(tmp_path, dockerfile, "**/__pycache__\n") == ["e/", "nowhere"]
+    assert missing_sources(tmp_path, dockerfile, "*\n!d\n!e\n") == ["a.pin", "g/*.txt", "nowhere"]
+    with pytest.raises(ValueError, match="variable"):
+        missing_sources(tmp_path, "FROM x\nCOPY ${A} /a\n", "")
+
+
+# ci/image/base_wheels.py: the pure steps of ci/image/make-base.sh.
+BASE_WHEELS = ROOT / "ci" / "image" / "base_wheels.py"
+METADATA = """Metadata-Version: 2.4
+Name: sglang
+Version: 0.5.20
+Requires-Python: >=3.10
+Requires-Dist: aiohttp
+Requires-Dist: outlines==0.1.11
+Requires-Dist: cuda-tile==1.6.0rc5
+Requires-Dist: tomli; python_version < "3.11"
+Requires-Dist: pytest; extra == "test"
+Provides-Extra: test
+"""
+
+
+def base_wheels(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BASE_WHEELS), *args], capture_output=True, text=True)
+
+
+def test_base_requirements_and_pyproject(tmp_path):
+    (tmp_path / "METADATA").write_text(METADATA)
+    reqs = base_wheels("requirements", str(tmp_path / "METADATA"))
+    assert reqs.returncode == 0
+    assert reqs.stdout.splitlines() == ["aiohttp", "outlines==0.1.11", "cuda-tile==1.6.0rc5", 'tomli; python_version < "3.11"']
+    import tomllib
+    project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
+    assert project["project"]["name"] == "sglang" and project["project"]["version"] == "0.5.20"
+    assert project["project"]["requires-python"] == ">=3.10"
+    assert project["project"]["dependencies"] == reqs.stdout.splitlines()
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["sglang", "sglang.*"]
+    (tmp_path / "bad").write_text("hello\n")
+    bad = base_wheels("requirements", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and bad.stderr == "error: not a wheel METADATA file (no Name or Version)\n"
+    missing = base_wheels("requirements", str(tmp_path / "none"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read ") and "Traceback" not in missing.stderr
+
+
+def test_base_platform_args():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("base_wheels", BASE_WHEELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    platform_args, UsageError = module.platform_args, module.UsageError
+    args = platform_args("2.41")
+    tags = args[1::2]
+    assert args[0::2] == ["--platform"] * len(tags)
+    assert tags[0] == "manylinux_2_41_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux_2_5_x86_64" in tags
+    assert "manylinux_2_42_x86_64" not in tags and len(tags) == len(set(tags)) == 37 + 3
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    for bad in ("2.16", "3.1", "2", "2.x"):
+        with pytest.raises(UsageError):
+            platform_args(bad)
+
+
+def test_base_drops_what_cannot_resolve(tmp_path):
+    reqs = ["aiohttp", "outlines==0.1.11", "cuda-tile==1.6.0rc5"]
+    (tmp_path / "reqs").write_text("\n".join(reqs) + "\n")
+    direct = ("ERROR: Could not find a version that satisfies the requirement cuda-tile==1.6.0rc5 (from versions: 1.6.0)\n"
+              "ERROR: No matching distribution found for cuda-tile==1.6.0rc5\n")
+    (tmp_path / "log").write_text(direct)
+    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    assert out.returncode == 0 and out.stdout == "cuda-tile\n"
+    assert (tmp_path / "reqs").read_text() == "aiohttp\noutlines==0.1.11\n"
+    # Not a requirement itself: the one that pulled it in goes.
+    pulled = ("ERROR: Could not find a version that satisfies the requirement outlines_core==0.1.26 (from outlines) "
+              "(from versions: 0.2.9)\nERROR: No matching distribution found for outlines_core==0.1.26\n")
+    (tmp_path / "log").write_text(pulled)
+    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    assert out.stdout == "outlines\n" and (tmp_path / "reqs").read_text() == "aiohttp\n"
+    # Nothing to drop: a clear error, the file untouched.
+    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    assert out.returncode == 2 and "outlines-core is not a requirement" in out.stderr
+    (tmp_path / "log").write_text("ERROR: network down\n")
+    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    assert out.returncode == 2 and out.stderr == "error: the pip log names no distribution it could not find\n"
+    assert (tmp_path / "reqs").read_text() == "aiohttp\n"

@@ -487,7 +487,8 @@ class Soak:
                             "floors_bytes": floors, "reclaim_min_bytes": 2 << 20})
         if budget <= sum(floors.values()) or not want:
             self.journal.write({"type": "note", "what": f"budget {budget} B leaves no spare over the floors {floors}"})
-        self.journal.write({"type": "budget", **{k: self.config[k] for k in ("budget_bytes", "wants_bytes", "floors_bytes")}})
+        self.journal.write({"type": "budget", **{k: self.config[k] for k in ("budget_bytes", "wants_bytes", "floors_bytes",
+                                                                          "reclaim_min_bytes")}})
         self.shared_t0 = time.time()
         self.sample()
         if self.small_host:

@@ -117,7 +117,10 @@ def oracle(events: list[dict]) -> dict:
 def summarize(events: list[dict], config: dict | None = None) -> dict:
     """The run's report from its journal (config: what the run was asked to do)."""
     from soak_kvc import reclaims as count_reclaims
-    config = config or next((e["config"] for e in events if e.get("type") == "start"), {})
+    config = dict(config or next((e["config"] for e in events if e.get("type") == "start"), {}))
+    for e in events:   # the budget is set when the shared phase begins
+        if e.get("type") == "budget":
+            config.update({k: v for k, v in e.items() if k not in ("type", "t")})
     requests = [e for e in events if e.get("type") == "request"]
     by_role: dict[str, list[dict]] = defaultdict(list)
     by_server: dict[str, list[dict]] = defaultdict(list)

@@ -14,7 +14,7 @@ endif
 include sglang.pin
 
 .PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu mutants bench profile e2e image wheel ci clean
+        import-patches export-patches test test-gpu mutants bench profile e2e soak image wheel ci clean
 
 all: patched
 
@@ -127,6 +127,16 @@ else
 	$(PYTHON) ci/e2e/compare_servers.py --launcher docker --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) \
 	  --set hf $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(E2E_ARGS) --out $(E2E_OUT)
 endif
+
+# Several models on one GPU, each with HiCache over kvcached, under load and faults
+# (ci/e2e/soak.py; fields and runs: docs/soak-results.md). A CUDA machine where $(PYTHON)
+# imports SGLang 0.5.20 with the series applied and kvcached 0.1.6. SOAK_ARGS e.g.
+# --duration 60 (smoke), --detach; SOAK_SERVER_FLAGS: more launch_server flags.
+SOAK_OUT ?= build/soak/report.json
+SOAK_ARGS ?=
+SOAK_SERVER_FLAGS ?=
+soak:
+	$(PYTHON) ci/e2e/soak.py --out $(SOAK_OUT) $(if $(SOAK_SERVER_FLAGS),--server-flags "$(SOAK_SERVER_FLAGS)") $(SOAK_ARGS)
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
 # daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot

@@ -38,9 +38,11 @@ import hashlib
 import json
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -128,6 +130,28 @@ def stop(process: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
+    """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
+    outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
+    ports, so a block inside that range can be taken between this check and the bind."""
+    low, high = ephemeral or map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    span = 10 * jobs
+    bases = [*range(10000, low - span, 100), *range(-(-(high + 1) // 100) * 100, 65536 - span, 100)]
+    if not bases:
+        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no block of {span} ports outside it")
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.choice(bases)
+        try:
+            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1)):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no free block of {span} ports outside the ephemeral range {low}-{high} in 200 tries")
 
 
 class Runner:

@@ -1,0 +1,196 @@
+"""kvcached 0.1.6's per-instance counters, a shared KV budget over them, and reclaims.
+
+Each SGLang server with kvcached on is one kvcached instance, named by KVCACHED_IPC_NAME.
+Each of its elastic pools keeps a record in a shared-memory file, /dev/shm/<name> (the
+pool of kvcached group 0; MLA pools and the first MHA pool land there) or
+/dev/shm/<name>_g<id> (a pool of group <id> given its own segment: SWA and Mamba pools),
+holding three native int64: `total_size` (the pool's limit in bytes, all layers and K/V
+buffers; kvcached writes the pool's full virtual size when the pool starts), `used_size`
+(bytes of pages in use) and `prealloc_size` (bytes of mapped pages kept in reserve). The
+file is locked with flock, shared to read and exclusive to write (kvcached's
+`cli/utils.py` RwLockedShm, `kvctl list`/`kvctl limit`). A changed `total_size` is picked up
+by the pool's resize watcher (every 100 ms) and applied at its next allocation: a larger
+limit at once, a smaller one as soon as the pages in use fit under it ("deferred" until
+then; meanwhile the pool reports no free page, so SGLang evicts).
+
+The GPU itself is far larger than the tiny models need, so the scarcity a soak run needs
+is made with these limits, kvcached's own control for several models on one GPU: a total
+budget smaller than what the servers' pools want (`Arbiter`). Every instance keeps a floor;
+the rest of the budget (the spare) goes to one live instance at a time, in turn (the one
+whose clients are in their burst), so each instance must give pages back for the other to
+map them. A killed instance leaves the rotation and its floor goes to the others until it
+is back. `reclaims` reads the counters only: pages one instance gave back that another
+then mapped while the budget was full.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RECORD = struct.Struct("=qqq")        # total_size, used_size, prealloc_size (kvcached's MemInfoStruct)
+SHM_DIR = "/dev/shm"
+
+
+def segment_names(shm_dir: str, name: str) -> list[str]:
+    """The segments of instance `name`: `name` itself and `name_g<id>`, sorted."""
+    pattern = re.compile(re.escape(name) + r"(_g\d+)?")
+    try:
+        entries = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if pattern.fullmatch(e))
+
+
+def read_segment(path: str | Path) -> tuple[int, int, int] | None:
+    """(limit, used, prealloc) bytes of one segment; None if it is gone or short."""
+    try:
+        with open(path, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            data = handle.read(RECORD.size)
+    except (FileNotFoundError, PermissionError):
+        return None
+    return RECORD.unpack(data) if len(data) == RECORD.size else None
+
+
+def write_limit(path: str | Path, limit: int) -> bool:
+    """Set a segment's limit (total_size), leaving used/prealloc as they are."""
+    try:
+        with open(path, "r+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            data = handle.read(RECORD.size)
+            if len(data) != RECORD.size:
+                return False
+            _, used, prealloc = RECORD.unpack(data)
+            handle.seek(0)
+            handle.write(RECORD.pack(int(limit), used, prealloc))
+            handle.flush()
+    except (FileNotFoundError, PermissionError):
+        return False
+    return True
+
+
+def remove_segments(shm_dir: str, name: str) -> list[str]:
+    """Delete the segments a killed instance left behind (kvctl delete does the same);
+    returns the names removed."""
+    removed = []
+    for seg in segment_names(shm_dir, name):
+        try:
+            os.unlink(os.path.join(shm_dir, seg))
+            removed.append(seg)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+@dataclass
+class Instance:
+    """One kvcached instance (one server) under the budget."""
+    name: str                  # KVCACHED_IPC_NAME
+    server: str                # the server's label in the run
+    max_total_tokens: int      # its --max-total-tokens: what the pool wants
+    live: bool = True
+    wants: dict[str, int] = field(default_factory=dict)   # segment -> limit kvcached set at start
+
+    def want(self) -> int:
+        return sum(self.wants.values())
+
+    def bytes_per_token(self) -> float:
+        return self.want() / self.max_total_tokens if self.wants else 0.0
+
+
+def read_instance(shm_dir: str, inst: Instance) -> dict | None:
+    """Current counters of an instance, summed over its segments; None before it has one.
+    A segment seen for the first time has its start limit recorded as what it wants."""
+    limit = used = prealloc = 0
+    segs = {}
+    for seg in segment_names(shm_dir, inst.name):
+        rec = read_segment(os.path.join(shm_dir, seg))
+        if rec is None:
+            continue
+        if seg not in inst.wants and rec[0] > 0:
+            inst.wants[seg] = rec[0]
+        segs[seg] = rec
+        limit, used, prealloc = limit + rec[0], used + rec[1], prealloc + rec[2]
+    if not segs:
+        return None
+    return {"limit": limit, "used": used, "prealloc": prealloc, "segments": len(segs)}
+
+
+class Arbiter:
+    """Splits a total budget (bytes) over live instances: floors for all, the spare to the
+    one named by `boosted`; writes the limits where they differ from what is set."""
+
+    def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
+        self.shm_dir, self.instances, self.budget, self.floor_tokens = shm_dir, instances, budget, floor_tokens
+        self.written: dict[str, int] = {}    # segment -> last limit written
+
+    def floor(self, inst: Instance) -> int:
+        return min(inst.want(), int(self.floor_tokens * inst.bytes_per_token()))
+
+    def plan(self, boosted: str | None) -> dict[str, int]:
+        """Instance name -> limit (bytes): the live ones with known wants only."""
+        live = [i for i in self.instances if i.live and i.wants]
+        limits = {i.name: self.floor(i) for i in live}
+        spare = self.budget - sum(limits.values())
+        order = sorted(live, key=lambda i: i.name != boosted)   # the boosted one first
+        for inst in order:
+            if spare <= 0:
+                break
+            extra = min(spare, inst.want() - limits[inst.name])
+            limits[inst.name] += extra
+            spare -= extra
+        return limits
+
+    def apply(self, boosted: str | None) -> dict[str, int]:
+        """Write the plan's limits, each split over the instance's segments in proportion
+        to what they want; returns the plan."""
+        limits = self.plan(boosted)
+        for inst in self.instances:
+            if inst.name not in limits:
+                continue
+            total_want = inst.want()
+            for seg, want in inst.wants.items():
+                share = limits[inst.name] * want // total_want
+                if self.written.get(seg) != share or self._differs(seg, share):
+                    if write_limit(os.path.join(self.shm_dir, seg), share):
+                        self.written[seg] = share
+        return limits
+
+    def _differs(self, seg: str, share: int) -> bool:
+        """A restarted instance writes its full size again: set it back."""
+        rec = read_segment(os.path.join(self.shm_dir, seg))
+        return rec is not None and rec[0] != share
+
+
+def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.9) -> dict:
+    """Pages given back by one instance and mapped by another, from counter samples.
+
+    samples: {"t": seconds, "instances": {name: {"used": bytes, "prealloc": bytes,
+    "live": bool}}} in time order. Between two samples, drops of live instances' used bytes and rises of others'
+    are matched (the smaller of the two sums); the interval is a reclaim when that amount
+    is at least min_bytes (one page bundle) and the live instances together held at least
+    `slack` of the budget before it (pages were scarce). Returns the count, the bytes moved
+    and, per (giver, taker), the bytes (split in proportion)."""
+    count, moved, pairs = 0, 0, {}
+    for before, after in zip(samples, samples[1:]):
+        a, b = before["instances"], after["instances"]
+        common = [n for n in a if n in b and a[n].get("live", True) and b[n].get("live", True)]
+        held = sum(a[n]["used"] + a[n].get("prealloc", 0) for n in common)
+        drops = {n: a[n]["used"] - b[n]["used"] for n in common if a[n]["used"] > b[n]["used"]}
+        rises = {n: b[n]["used"] - a[n]["used"] for n in common if b[n]["used"] > a[n]["used"]}
+        amount = min(sum(drops.values()), sum(rises.values()))
+        if amount < min_bytes or held < slack * budget:
+            continue
+        count += 1
+        moved += amount
+        total_drop, total_rise = sum(drops.values()), sum(rises.values())
+        for giver, d in drops.items():
+            for taker, r in rises.items():
+                if giver != taker:
+                    key = f"{giver}->{taker}"
+                    pairs[key] = pairs.get(key, 0) + int(amount * d / total_drop * r / total_rise)
+    return {"count": count, "bytes": moved, "pairs": pairs}

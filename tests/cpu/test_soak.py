@@ -1,0 +1,339 @@
+"""The soak harness (ci/e2e/soak.py) against stand-in servers and stand-in kvcached counters.
+
+The stand-in server (soak_fake_server.py, run as `python -m sglang.launch_server`) answers
+like SGLang's streamed /generate, keeps a device and a host cache under the kvcached limit
+it reads from its segment, and injects wrong answers, noise and crashes on demand."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+import soak  # noqa: E402
+import soak_kvc as kvc  # noqa: E402
+import soak_traffic as traffic  # noqa: E402
+import soak_verdict as verdict  # noqa: E402
+
+FAKE = Path(__file__).with_name("soak_fake_server.py")
+
+
+# --- traffic -------------------------------------------------------------------------------
+
+def test_catalogue_is_fixed_by_its_seed_and_turns_extend_each_other():
+    a, b = traffic.build_catalogue(3, 1024), traffic.build_catalogue(3, 1024)
+    assert a.prompts == b.prompts and traffic.build_catalogue(4, 1024).prompts != a.prompts
+    for turns in a.conversations:
+        ids = [a.prompts[k].ids for k in turns]
+        assert all(later[:len(earlier)] == earlier and len(later) > len(earlier)
+                   for earlier, later in zip(ids, ids[1:]))
+    # conversations on the same system prefix share it
+    assert a.prompts["c0t0"].ids[:512] == a.prompts["c8t0"].ids[:512] != a.prompts["c1t0"].ids[:512]
+    lengths = [len(p.ids) for p in a.prompts.values()]
+    assert max(lengths) <= 3100 and min(lengths) >= 32 and all(100 <= t < 1024 for p in a.prompts.values() for t in p.ids)
+    # far more distinct tokens than a shared server keeps on the device (32,768 at most)
+    assert a.distinct_tokens() > 40000
+    kinds = {p.kind for p in a.prompts.values()}
+    assert kinds == {"turn", "long", "short"}
+
+
+def test_sessions_play_whole_conversations_in_order():
+    cat = traffic.build_catalogue(0, 1024)
+    import random
+    rng = random.Random(1)
+    seen = [traffic.session(cat, rng) for _ in range(300)]
+    convs = [s for s in seen if len(s) > 1]
+    assert convs and all(s in cat.conversations for s in convs)
+    assert any(s[0] in cat.longs for s in seen) and any(s[0] in cat.shorts for s in seen)
+
+
+def test_streamed_answers_are_assembled_cumulative_or_incremental():
+    chunks = [{"output_ids": [5]}, {"output_ids": [5, 6]}, {"output_ids": [5, 6, 7]}]
+    assert traffic.assemble(chunks, {"completion_tokens": 3}) == [5, 6, 7]
+    deltas = [{"output_ids": [5]}, {"output_ids": [6]}, {"output_ids": [7, 8]}]
+    assert traffic.assemble(deltas, {"completion_tokens": 4}) == [5, 6, 7, 8]
+    assert traffic.assemble(deltas, {"completion_tokens": 9}) is None
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """In-process /generate: streams `stream` lines after `delay` seconds each."""
+    stream: list[bytes] = []
+    delay = 0.0
+    status = 200
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(self.status)
+        self.end_headers()
+        for line in self.stream:
+            time.sleep(self.delay)
+            self.wfile.write(line + b"\n\n")
+            self.wfile.flush()
+
+
+@pytest.fixture
+def scripted():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def chunk(ids, final=False):
+    meta = {"completion_tokens": len(ids)}
+    if final:
+        meta.update({"cached_tokens": 300, "cached_tokens_details": {"device": 64, "host": 236}})
+    return b"data: " + json.dumps({"output_ids": ids, "meta_info": meta}).encode()
+
+
+def test_a_stream_is_an_answer_only_when_whole(scripted, monkeypatch):
+    Scripted.stream, Scripted.delay, Scripted.status = [chunk([1]), chunk([1, 2], True), b"data: [DONE]"], 0, 200
+    rec = traffic.stream_generate(scripted, [1, 2, 3], 2, timeout=10)
+    assert rec["outcome"] == "ok" and rec["output_ids"] == [1, 2]
+    assert (rec["cached"], rec["host"], rec["device"]) == (300, 236, 64) and 0 < rec["ttft"] <= rec["latency"]
+    Scripted.stream = [chunk([1]), chunk([1, 2], True)]          # cut before [DONE]: a server that died
+    rec = traffic.stream_generate(scripted, [1], 2, timeout=10)
+    assert rec["outcome"] == "error" and "before [DONE]" in rec["error"]
+    Scripted.stream = [chunk([1], True), b"data: [DONE]"]         # short of max_new_tokens
+    assert "1 tokens, asked for 2" in traffic.stream_generate(scripted, [1], 2, timeout=10)["error"]
+    Scripted.stream, Scripted.delay = [chunk([1]), chunk([1, 2], True), b"data: [DONE]"], 0.3
+    rec = traffic.stream_generate(scripted, [1], 2, timeout=10, abort_after=0.1)
+    assert rec["outcome"] == "aborted"
+    Scripted.status, Scripted.delay, Scripted.stream = 400, 0, [b"bad request"]
+    assert traffic.stream_generate(scripted, [1], 2, timeout=10)["error"].startswith("HTTP 400")
+
+
+# --- kvcached counters, budget, reclaims ----------------------------------------------------
+
+def make_segment(folder: Path, name: str, limit: int, used: int = 0) -> Path:
+    path = folder / name
+    path.write_bytes(struct.pack("=qqq", limit, used, 7))
+    return path
+
+
+def test_segments_of_an_instance_and_their_limits(tmp_path):
+    for name in ("run_s0", "run_s0_g1", "run_s0_g12", "run_s00", "run_s0_gx", "xrun_s0"):
+        make_segment(tmp_path, name, 100)
+    assert kvc.segment_names(str(tmp_path), "run_s0") == ["run_s0", "run_s0_g1", "run_s0_g12"]
+    assert kvc.write_limit(tmp_path / "run_s0", 64)
+    assert kvc.read_segment(tmp_path / "run_s0") == (64, 0, 7)      # used and prealloc kept
+    assert kvc.read_segment(tmp_path / "gone") is None and not kvc.write_limit(tmp_path / "gone", 1)
+    inst = kvc.Instance("run_s0", "s0", max_total_tokens=10)
+    assert kvc.read_instance(str(tmp_path), inst) == {"limit": 264, "used": 0, "prealloc": 21, "segments": 3}
+    assert inst.wants == {"run_s0": 64, "run_s0_g1": 100, "run_s0_g12": 100} and inst.bytes_per_token() == 26.4
+    assert sorted(kvc.remove_segments(str(tmp_path), "run_s0")) == ["run_s0", "run_s0_g1", "run_s0_g12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_s00", "run_s0_gx", "xrun_s0"]
+
+
+def test_the_budget_keeps_floors_and_gives_the_spare_to_the_burst(tmp_path):
+    a, b = kvc.Instance("a", "s0", 1000), kvc.Instance("b", "s1", 1000)
+    make_segment(tmp_path, "a", 1000 * 16)
+    make_segment(tmp_path, "a_g1", 1000 * 16)     # two pools: the limit is split 1:1
+    make_segment(tmp_path, "b", 1000 * 8)
+    for i in (a, b):
+        kvc.read_instance(str(tmp_path), i)
+    arb = kvc.Arbiter(str(tmp_path), [a, b], budget=20000, floor_tokens=250)
+    assert arb.floor(a) == 8000 and arb.floor(b) == 2000
+    assert arb.plan("a") == {"a": 18000, "b": 2000}
+    assert arb.plan("b") == {"a": 12000, "b": 8000}       # b wants no more than 8000
+    arb.apply("a")
+    assert kvc.read_segment(tmp_path / "a")[0] == kvc.read_segment(tmp_path / "a_g1")[0] == 9000
+    assert kvc.read_segment(tmp_path / "b")[0] == 2000
+    b.live = False                                        # killed: a may take everything it wants
+    assert arb.plan("a") == {"a": 20000}
+    b.live = True
+    make_segment(tmp_path, "b", 8000)                     # restarted: kvcached wrote its full size
+    arb.apply("a")
+    assert kvc.read_segment(tmp_path / "b")[0] == 2000
+
+
+def samples(*rows, budget_used=True):
+    return [{"t": i, "instances": {n: {"used": u, "prealloc": 0, "live": True} for n, u in row.items()}}
+            for i, row in enumerate(rows)]
+
+
+def test_reclaims_count_pages_one_gave_back_and_another_took():
+    mib = 1 << 20
+    moves = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib},
+                    {"a": 40 * mib, "b": 60 * mib}, {"a": 70 * mib, "b": 30 * mib})
+    r = kvc.reclaims(moves, budget=100 * mib, min_bytes=2 * mib)
+    assert r["count"] == 2 and r["bytes"] == 50 * mib
+    assert r["pairs"] == {"a->b": 20 * mib, "b->a": 30 * mib}
+    # plenty of room (the budget was far from full): no reclaim, only growth and shrinkage
+    assert kvc.reclaims(moves, budget=400 * mib, min_bytes=2 * mib)["count"] == 0
+    # a move under one page is not counted; nor are an instance's own ups and downs
+    assert kvc.reclaims(samples({"a": 99 * mib, "b": 1}, {"a": 98 * mib, "b": mib}), 100 * mib, 2 * mib)["count"] == 0
+    assert kvc.reclaims(samples({"a": 100 * mib}, {"a": 50 * mib}, {"a": 100 * mib}), 100 * mib, 2 * mib)["count"] == 0
+    # a dead instance's stale counters give nothing back
+    dead = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib})
+    dead[1]["instances"]["a"]["live"] = False
+    assert kvc.reclaims(dead, 100 * mib, 2 * mib)["count"] == 0
+
+
+# --- oracle and verdict ---------------------------------------------------------------------
+
+def req(role, server, key, ids, model="m", **kw):
+    return {"type": "request", "role": role, "server": server, "model": model, "key": key, "outcome": "ok",
+            "output_ids": ids, **kw}
+
+
+def test_the_oracle_tells_real_mismatches_from_native_noise():
+    events = [req("solo", "n", "p", [1, 2, 3]), req("solo", "n", "q", [4, 5, 6]),
+              req("ref-native", "n", "p", [1, 2, 3]), req("shared", "s0", "p", [1, 2, 3], host=64),
+              req("shared", "s0", "q", [4, 9, 6], host=64), req("shared", "s0", "zz", [0])]
+    o = verdict.oracle(events)
+    assert o["mismatches"] == 1 and o["details"][0]["kind"] == "real" and o["details"][0]["first_position"] == 1
+    assert o["checked"] == {"s0": 2} and o["unchecked"] == {"s0": 1}
+    # native under load gave that same answer: noise; another answer: unexplained
+    noisy = events + [req("ref-native", "n", "q", [4, 9, 6])]
+    o = verdict.oracle(noisy)
+    assert (o["mismatches"], o["noise"]) == (0, 1) and o["native_noise"] == {"m": {"checked": 2, "differ": 1}}
+    o = verdict.oracle(noisy + [req("ref-kvcached", "u", "q", [4, 5, 0])])
+    assert o["mismatches"] == 1 and [d["kind"] for d in o["details"]] == ["noise", "unexplained"]
+    # the solo reference is the first solo answer; native's own load answers never count as mismatches
+    assert verdict.oracle([req("solo", "n", "p", [1]), req("ref-native", "n", "p", [2])])["mismatches"] == 0
+
+
+def test_percentiles_are_nearest_rank():
+    vals = list(range(1, 101))
+    assert verdict.percentile(vals, 50) == 50 and verdict.percentile(vals, 99) == 99
+    assert verdict.percentile([7.0], 99) == 7.0 and verdict.percentile([], 50) is None
+    lat = verdict.latency([{"outcome": "ok", "ttft": 0.01 * i, "latency": 0.02 * i, "host": i % 2} for i in range(1, 11)]
+                          + [{"outcome": "error"}])
+    assert lat["requests"] == 10 and lat["host_hit_requests"] == 5
+    assert lat["ttft_host_hit_p50_ms"] == 50.0 and lat["ttft_host_hit_p99_ms"] == 90.0
+
+
+def test_faults_and_bursts_are_scheduled_in_the_shared_phase():
+    plan = soak.plan_faults(600, ["s0", "s1", "s2"])
+    assert [(f["at"], f["kind"], f["server"]) for f in plan] == [
+        (90.0, "disconnects", "s0"), (150.0, "flush-under-load", "s0"), (240.0, "kill-9", "s1")]
+    assert all(0 < f["at"] < 600 for f in soak.plan_faults(60, ["s0", "s1"]))
+    assert [soak.burst_owner(t, 30, ["s0", "s1"]) for t in (0, 29, 30, 61, 95)] == ["s0", "s0", "s1", "s0", "s1"]
+    assert soak.burst_owner(40, 30, ["s0"]) == "s0" and soak.burst_owner(1, 30, []) is None
+
+
+def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        soak.main(["--models", "qwen2-tiny", "--out", str(tmp_path / "r.json")])
+    assert exc.value.code == 2 and "two or three models" in capsys.readouterr().err
+    assert soak.main(["--rebuild", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
+    assert "no journal" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert soak.main(["--table", str(tmp_path / "bad.json")]) == 2
+
+
+# --- the harness end to end, stand-in servers -------------------------------------------------
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    tree = tmp_path / "tree" / "sglang"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    shutil.copy(FAKE, tree / "launch_server.py")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tree.parent))
+    monkeypatch.setenv("SOAK_FAKE_SHM", str(shm))
+    for var in ("FAKE_WRONG_ON", "FAKE_NOISE", "FAKE_DIE_ON", "FAKE_DIE_AFTER"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out" / "run.json"
+    return out, ["--out", str(out), "--shm-dir", str(shm), "--small-catalogue", "--clients", "2",
+                 "--burst-clients", "2", "--max-new-tokens", "4", "--sample-every", "0.2", "--progress-every", "2",
+                 "--restart-timeout", "20", "--ready-timeout", "20", "--max-total-tokens", "4096",
+                 "--floor-tokens", "800", "--ref-duration", "2", "--burst-period", "3", "--request-timeout", "20"]
+
+
+def wait_done(status: Path, seconds: float) -> dict:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if status.exists():
+            state = json.loads(status.read_text())
+            if state["done"]:
+                return state
+        time.sleep(0.5)
+    raise AssertionError(f"no done status in {seconds} s")
+
+
+def test_a_detached_run_passes_with_every_fault_and_says_so(fake_env):
+    out, args = fake_env
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "e2e" / "soak.py"), *args, "--duration", "12",
+                           "--detach"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "running in the background" in proc.stdout
+    state = wait_done(out.with_name("run.status.json"), 120)
+    report = json.loads(out.read_text())
+    assert state["result"] == report["result"] == "pass", report["problems"]
+    assert report["finished"] and report["requests"] > 100 and report["host_hit_tokens"] > 0
+    assert report["mismatches"] == 0 and report["crashes"] == 0 and report["errors"] == 0
+    assert report["reclaims"] > 0 and report["reclaim_pairs"] and set(report["reclaim_pairs"]) <= {"s0->s1", "s1->s0"}
+    servers = {s["server"]: s for s in report["servers"]}
+    assert set(servers) == {"s0", "s1", "ref-native-qwen2-tiny", "ref-kvcached-qwen2-tiny",
+                            "ref-native-deepseek-v2-tiny", "ref-kvcached-deepseek-v2-tiny"}
+    assert [servers[n]["kvcached"] for n in ("s0", "s1", "ref-native-qwen2-tiny")] == [True, True, False]
+    assert servers["s1"]["starts"] == 2 and servers["s1"]["answers_after_restart"]["checked"] > 0
+    assert all(s["weights_redrawn"] == [7] for s in servers.values())
+    # the MLA case runs with the deep_gemm stand-in on its path
+    assert "--hicache-ratio" in servers["s1"]["command"] and "1.0" in servers["s1"]["command"]
+    faults = {f["kind"]: f for f in report["faults"]}
+    assert set(faults) == {"small-host-pool", "disconnects", "flush-under-load", "kill-9"}
+    assert all(f["ok"] for f in faults.values())
+    assert faults["flush-under-load"]["detail"]["drained"]["status"] == 200
+    kill = faults["kill-9"]["followed"]
+    assert kill["ready_again"] and kill["survivors_counters"]["s0"]["limit_after"] > kill["survivors_counters"]["s0"]["limit_before"]
+    assert set(report["latency"]) == {"shared", "ref-native", "ref-kvcached"}
+    assert report["latency"]["shared"]["ttft_host_hit_p99_ms"] is not None
+    assert report["oracle"]["references"] == 2 * 12 and report["duration_s"] >= 12
+    # the journal alone gives the same report; a journal cut short still gives one
+    events = out.with_name("run.events.jsonl")
+    again = verdict.summarize(verdict.read_journal(events))
+    assert (again["requests"], again["reclaims"], again["result"]) == (report["requests"], report["reclaims"], "pass")
+    lines = events.read_text().splitlines()
+    cut = out.with_name("cut.jsonl")
+    cut.write_text("\n".join(lines[: len(lines) * 2 // 3]) + "\n" + lines[-1][:10])
+    partial = verdict.summarize(verdict.read_journal(cut))
+    assert partial["result"] in ("incomplete", "fail") and not partial["finished"]
+    table = verdict.table({"run.json": report})
+    assert table.count("\n") == 2 and "| run.json | pass | " in table
+    assert not list(Path(args[args.index("--shm-dir") + 1]).iterdir())   # no segment left behind
+
+
+def test_wrong_answers_and_a_crash_fail_the_run(fake_env, monkeypatch, capsys):
+    out, args = fake_env
+    monkeypatch.setenv("FAKE_WRONG_ON", "_s0")        # s0 answers wrongly what came back from host
+    monkeypatch.setenv("FAKE_DIE_ON", "_s1")          # s1 dies on its own before the kill-9 fault
+    monkeypatch.setenv("FAKE_DIE_AFTER", "30")
+    assert soak.main([*args, "--duration", "8"]) == 1
+    report = json.loads(out.read_text())
+    assert report["result"] == "fail" and report["mismatches"] > 0
+    assert {d["server"] for d in report["oracle"]["details"]} == {"s0"}
+    assert all(d["kind"] == "real" and d["host"] > 0 for d in report["oracle"]["details"])
+    assert report["crashes"] == 1 and {s["server"]: s["crashes"] for s in report["servers"]}["s1"] == 1
+    assert any("differ from the solo reference" in p for p in report["problems"])
+    assert any("died without being killed" in p for p in report["problems"])
+    assert "fake scheduler crash" in json.dumps([e for e in verdict.read_journal(out.with_name("run.events.jsonl"))
+                                                 if e.get("event") == "died"])
+
+
+def test_native_noise_is_not_counted_as_a_mismatch(fake_env, monkeypatch):
+    out, args = fake_env
+    monkeypatch.setenv("FAKE_NOISE", "1")             # every server differs when requests overlap
+    soak.main([*args, "--duration", "6"])
+    report = json.loads(out.read_text())
+    noise = report["oracle"]["native_noise"]
+    assert sum(v["differ"] for v in noise.values()) > 0
+    assert report["oracle"]["noise"] > 0
+    kinds = {d["kind"] for d in report["oracle"]["details"]}
+    assert "real" not in kinds

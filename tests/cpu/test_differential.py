@@ -166,6 +166,25 @@ def test_gpu_results_in_the_docs_are_the_committed_runs(run):
     assert compare.summary_table(runs["pristine"], runs["patched"]) in (root / "docs" / "differential.md").read_text()
 
 
+def test_the_real_kernel_run_in_the_docs_differs_only_where_its_gpu_ran_out_of_memory():
+    # on sglang-kernel's compiled ops every step ran; the cases that differ are the
+    # DeepSeek-V4 ones whose patched runner met a full GPU, as docs/differential.md says
+    import gzip
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    folder = root / "docs" / "runs" / "differential" / "2026-12-02-h200-real-kernels-shared-gpu"
+    runs = {name: json.loads(gzip.decompress((folder / f"{name}.json.gz").read_bytes()))
+            for name in ("pristine", "patched")}
+    assert all(run["kernels"] == "sgl_kernel 0.4.5" and run["steps_not_run"] == 0 for run in runs.values())
+    first = compare.compare(runs["pristine"], runs["patched"]).first
+    assert len(first) == 5 and all(line.startswith("deepseek-v4/fp8/") for line in first)
+    patched_errors = " ".join(json.dumps(step) for case in runs["patched"]["cases"]
+                              if case["id"].startswith("deepseek-v4/fp8/") for step in case["steps"])
+    assert "out of memory" in patched_errors
+    assert compare.summary_table(runs["pristine"], runs["patched"]) in (root / "docs" / "differential.md").read_text()
+
+
 def test_gpu_runner_unregisters_what_a_case_left_pinned(monkeypatch):
     # --real-kernels notes every buffer SGLang pins and unregisters, after each case,
     # what no destroy() released (a host pool whose constructor raised after pinning)

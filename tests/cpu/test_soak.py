@@ -1,6 +1,6 @@
 """The soak harness (ci/e2e/soak.py) against stand-in servers and stand-in kvcached counters.
 
-The stand-in server (soak_fake_server.py, run as `python -m sglang.launch_server`) answers
+The stand-in server (tests/support/soak_fake_server.py, run as `python -m sglang.launch_server`) answers
 like SGLang's streamed /generate, keeps a device and a host cache under the kvcached limit
 it reads from its segment, and injects wrong answers, noise and crashes on demand."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
 
-FAKE = Path(__file__).with_name("soak_fake_server.py")
+FAKE = Path(__file__).resolve().parents[1] / "support" / "soak_fake_server.py"
 
 
 # --- traffic -------------------------------------------------------------------------------

@@ -827,3 +827,23 @@ def test_host_pools_are_sized_for_the_largest_batch_asked_for(monkeypatch):
     assert transfer_bench.host_pool_bytes("mha", [64, 4096]) == default > transfer_bench.host_pool_bytes("mha")
     assert transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB", 0, [64, 4096]) == \
         -(-default // (2 << 20))
+
+
+def test_readme_performance_table_is_the_committed_rounds():
+    """README's performance table: kvcached-contiguous GB/s (native's in brackets) of the
+    committed three-round run, medians as merge_rounds takes them, to one decimal."""
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "bench" / "results" / "2026-12-01-h200-rounds" / "results.json").read_text())
+    cells = {(r["pool"], r["direction"], r["batch"], r["mode"]): r["GBps"]
+             for r in transfer_bench.merge_rounds(run["rows"]) if r.get("host_layout") == "page_first" and "GBps" in r}
+    links = {r["direction"]: r["GBps"] for r in transfer_bench.merge_rounds(run["rows"]) if r.get("pool") == "link"}
+    readme = (root / "README.md").read_text()
+    assert f"moves {links['backup']:.1f} (backup) and {links['load']:.1f} GB/s (load)" in readme
+    columns = [("MHA", "backup"), ("MHA", "load"), ("MLA", "backup"), ("MLA", "load")]
+    for tokens in (64, 1024, 16384, 65536):
+        parts = []
+        for i, (pool, direction) in enumerate(columns):
+            elastic = cells[(pool, direction, tokens, "kvcached-contiguous")]
+            native = cells[(pool, direction, tokens, "native")]
+            parts.append(f"{elastic:.1f} ({'native ' if tokens == 64 and i == 0 else ''}{native:.1f})")
+        assert f"| {tokens:,} | " + " | ".join(parts) + " |" in readme, tokens

@@ -106,13 +106,15 @@ class Server:
         self.lock = threading.Lock()
 
     def launch(self, journal: Journal) -> None:
-        self.expect_exit = False
         self.generation += 1
         with open(self.log, "a") as handle:
             handle.write(f"\n===== soak: start {self.generation} =====\n")
             handle.flush()
             self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT,
                                             env=self.process_env, start_new_session=True)
+        # only now: until the new process stands in self.process, the watcher must not take
+        # the killed one's exit for a crash
+        self.expect_exit = False
         journal.write({"type": "server", "event": "launched", "server": self.label, "role": self.role,
                        "model": self.case.name, "pool": self.case.pool, "kvcached": self.kvcached,
                        "ipc_name": self.ipc_name, "port": self.port, "command": self.command, "env": self.env,

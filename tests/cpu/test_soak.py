@@ -337,3 +337,26 @@ def test_native_noise_is_not_counted_as_a_mismatch(fake_env, monkeypatch):
     assert report["oracle"]["noise"] > 0
     kinds = {d["kind"] for d in report["oracle"]["details"]}
     assert "real" not in kinds
+
+
+def test_a_restart_is_never_seen_as_a_crash_while_it_launches(tmp_path, monkeypatch):
+    """The watcher reads (process, expect_exit, generation) while launch() runs: at no
+    point may it see the killed process with expect_exit off (a crash that did not happen)."""
+    case = soak.matrix.CASES["qwen2-tiny"]
+    server = soak.Server("s1", "shared", case, True, 1, [], {}, dict(os.environ), [sys.executable, "-c", "pass"],
+                         tmp_path / "s1.log", "x")
+    server.process = subprocess.Popen([sys.executable, "-c", "pass"])
+    server.process.wait()
+    server.expect_exit = True                     # as kill9() leaves it
+    seen = []
+    real_popen = subprocess.Popen
+
+    def watching_popen(*a, **kw):                 # what watch() would see while the new one starts
+        p = server.process
+        seen.append(p.poll() is not None and not server.expect_exit)
+        return real_popen(*a, **kw)
+    monkeypatch.setattr(soak.subprocess, "Popen", watching_popen)
+    journal = soak.Journal(tmp_path / "j.jsonl", time.time())
+    server.launch(journal)
+    server.process.wait()
+    assert seen == [False] and server.generation == 1 and not server.expect_exit

@@ -360,3 +360,26 @@ def test_a_restart_is_never_seen_as_a_crash_while_it_launches(tmp_path, monkeypa
     server.launch(journal)
     server.process.wait()
     assert seen == [False] and server.generation == 1 and not server.expect_exit
+
+
+def test_a_paused_server_gets_no_further_turn_of_a_conversation(tmp_path):
+    """A drained flush pauses the clients: one in the middle of a conversation must not send
+    its next turn (it would race the flush), however many turns are left."""
+    from types import SimpleNamespace
+    case = soak.matrix.CASES["qwen2-tiny"]
+    server = soak.Server("s0", "shared", case, True, 1, [], {}, {}, [], tmp_path / "s0.log", "x")
+    server.up.set()
+    cat = traffic.build_catalogue(0, 1024, traffic.Shape(prefixes=1, conversations=1, turns=4, long_prompts=0,
+                                                         short_prompts=0))
+    sent = []
+    fake = SimpleNamespace(opts=SimpleNamespace(seed=0, burst_period=1, abort_rate=0), phase_stop=threading.Event(),
+                           catalogues={case.name: cat}, boosted=None)
+
+    def request(srv, role, key, abort=None):
+        sent.append(key)
+        srv.paused.set()                          # the flush begins after the first turn
+        threading.Timer(0.3, fake.phase_stop.set).start()
+        return {"outcome": "ok"}
+    fake.request = request
+    soak.Soak.client(fake, server, "shared", 0, False, (0, 1), time.time())
+    assert sent == ["c0t0"]

@@ -383,3 +383,43 @@ def test_a_paused_server_gets_no_further_turn_of_a_conversation(tmp_path):
     fake.request = request
     soak.Soak.client(fake, server, "shared", 0, False, (0, 1), time.time())
     assert sent == ["c0t0"]
+
+
+def journal_of(*extra, prompts=2):
+    """A finished run's journal: one shared server, two prompts answered solo and under load."""
+    launched = {"type": "server", "event": "launched", "server": "s0", "model": "m", "pool": "mha", "kvcached": True,
+                "role": "shared", "ipc_name": "x"}
+    return [{"type": "start", "config": {"catalogue_prompts": {"m": prompts}}}, launched,
+            {"type": "server", "event": "ready", "server": "s0", "weights_redrawn": [7], "kvcached_lines": 1},
+            {"type": "phase", "phase": "solo", "event": "begin", "t": 0},
+            req("solo", "n", "p", [1]), req("solo", "n", "q", [2]),
+            {"type": "phase", "phase": "shared", "event": "begin", "t": 1},
+            req("shared", "s0", "p", [1], host=64), req("shared", "s0", "q", [2]),
+            {"type": "sample", "t": 2, "instances": {"s0": {"used": 1, "prealloc": 0, "limit": 9, "live": True}}},
+            *extra, {"type": "finish"}]
+
+
+def test_failed_requests_of_every_load_fail_the_run_not_only_the_shared_ones():
+    assert verdict.summarize(journal_of())["result"] == "pass"
+    for role in ("rejoin", "ref-kvcached", "ref-native"):
+        failed = {"type": "request", "role": role, "server": "s0", "model": "m", "key": "p", "outcome": "error",
+                  "error": "HTTP 500"}
+        report = verdict.summarize(journal_of(failed))
+        assert report["result"] == "fail" and any(role in p and "failed" in p for p in report["problems"]), role
+        lost = {**failed, "expected_error": True}      # lost to a kill: not a failure
+        assert verdict.summarize(journal_of(lost))["result"] == "pass"
+
+
+def test_prompts_without_a_solo_reference_fail_the_run():
+    report = verdict.summarize(journal_of(prompts=3))   # one prompt's solo answer is missing
+    assert report["result"] == "fail" and any("no solo reference" in p for p in report["problems"])
+
+
+def test_mismatch_kinds_are_counted_over_every_mismatch_not_the_details_shown():
+    events = [req("solo", "n", "p", [1])] + [req("ref-native", "n", "p", [9])] * 60 \
+        + [req("shared", "s0", "p", [9])] * 60 + [req("shared", "s0", "p", [8])] * 3
+    o = verdict.oracle(events)
+    assert (o["mismatches"], o["noise"], len(o["details"])) == (3, 60, 50)
+    report = {"mismatches": 3, "oracle": o, "crashes": 0, "requests": 1, "host_hit_tokens": 1, "errors": 0,
+              "config": {}, "reclaims": 0, "faults": [], "servers": []}
+    assert verdict.problems(report)[0] == "3 answers differ from the solo reference (unexplained: 3)"

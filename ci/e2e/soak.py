@@ -678,7 +678,10 @@ class Soak:
     # ---- the run ----------------------------------------------------------------------
 
     def stop_all(self, *_):
-        """SIGTERM/SIGINT: stop the phases; run() stops the servers and writes the report."""
+        """SIGTERM/SIGINT: stop the phases; run() stops the servers and writes the report
+        (a further signal meanwhile is ignored: raised there, it would cut that short)."""
+        if self.stopping.is_set():
+            return
         self.stopping.set()
         self.phase_stop.set()
         raise Interrupted()

@@ -423,3 +423,14 @@ def test_mismatch_kinds_are_counted_over_every_mismatch_not_the_details_shown():
     report = {"mismatches": 3, "oracle": o, "crashes": 0, "requests": 1, "host_hit_tokens": 1, "errors": 0,
               "config": {}, "reclaims": 0, "faults": [], "servers": []}
     assert verdict.problems(report)[0] == "3 answers differ from the solo reference (unexplained: 3)"
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short():
+    """The first SIGTERM stops the phases; one more while run() stops the servers and writes
+    the report must not raise there (servers left running, no report)."""
+    from types import SimpleNamespace
+    fake = SimpleNamespace(stopping=threading.Event(), phase_stop=threading.Event())
+    with pytest.raises(soak.Interrupted):
+        soak.Soak.stop_all(fake)
+    assert fake.stopping.is_set() and fake.phase_stop.is_set()
+    soak.Soak.stop_all(fake)                      # the second: nothing raised

@@ -79,7 +79,7 @@ def test_summary_fails_when_an_op_ran_on_a_stand_in(tmp_path, capsys):
     assert doc["ops_called_real"] == ["rmsnorm", "transfer_kv_direct"]
     assert doc["processes_per_op"] == {"rmsnorm": 2, "transfer_kv_direct": 1}
     assert doc["ops_on_stand_in"] == []
-    stand_in.write_text("moe_align_block_size\n")      # the stand-in bundle logs one op name a line
+    stand_in.write_text("CALL-MISSING moe_align_block_size\n")      # as the stand-in bundle logs it
     assert calls.main(["--summary", str(real), "--stand-in-log", str(stand_in)]) == 1
     assert "on a stand-in: 1: moe_align_block_size" in capsys.readouterr().out
 
@@ -170,3 +170,37 @@ def test_setup_refuses_a_stand_in(tmp_path):
     done = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh || echo REFUSED"], env=env,
                           capture_output=True, text=True, cwd=ROOT)
     assert "REFUSED" in done.stdout and "real sgl_kernel does not import" in done.stdout
+
+
+def test_a_forked_child_records_the_ops_its_parent_already_called(recorded):
+    """The first call in each process is logged: a child forked after its parent called an
+    op logs its own first call too (its copy of the parent's memory says "seen")."""
+    import multiprocessing
+    log, _ = recorded
+    ops = getattr(torch.ops, _NS)
+    ops.double_it(torch.ones(2))
+    child = multiprocessing.get_context("fork").Process(target=lambda: ops.double_it(torch.ones(2)))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert sorted(log.read_text().splitlines()) == sorted([f"{os.getpid()} double_it", f"{child.pid} double_it"])
+
+
+def test_the_stand_in_log_is_read_as_the_stand_in_writes_it(tmp_path):
+    """The e2e bundle's stand-in writes `CALL-MISSING <op>` for an op it has no body for and
+    `DEFINE-FAIL <op>: <why>` for a schema it could not define (an import, not a call)."""
+    stand_in = tmp_path / "missing.log"
+    stand_in.write_text("DEFINE-FAIL fp8_blockwise_scaled_mm: Error in schema parsing at ( int x )\n"
+                        "CALL-MISSING moe_align_block_size\nCALL-MISSING moe_align_block_size\n")
+    doc = calls.summary(str(tmp_path / "none.log"), str(stand_in))
+    assert doc["ops_on_stand_in"] == ["moe_align_block_size"]
+
+
+def test_summary_fails_when_no_op_was_recorded(tmp_path, capsys):
+    """An empty log means the recorder never ran (the stand-in imported, or SGLK_REAL_LOG
+    not passed on): nothing shows the run used the real ops."""
+    empty = tmp_path / "real.log"
+    empty.write_text("")
+    assert calls.main(["--summary", str(empty)]) == 1
+    assert calls.main(["--summary", str(tmp_path / "absent.log")]) == 1
+    assert "no sgl_kernel op recorded" in capsys.readouterr().out

@@ -15,7 +15,7 @@
 # Every process then logs the sgl_kernel ops it calls to $SGLK_REAL_LOG (default
 # $OUT/sgl_kernel_real_ops.log); `python3 ci/e2e/real_kernels/sgl_kernel_calls.py
 # --summary "$SGLK_REAL_LOG" --stand-in-log "$SGLK_CALL_LOG"` says which ran real and
-# which on a stand-in (none: it exits 1 otherwise).
+# which on a stand-in (it exits 1 when any ran on a stand-in, or none was recorded).
 _sglk_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SGLK_BUNDLE=${SGLK_BUNDLE:-$PWD/.e2e/sgl_kernel_045_sm90.tgz}
 SGLK_DIR=${SGLK_DIR:-/tmp/sgl_kernel_real}

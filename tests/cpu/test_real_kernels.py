@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,51 @@ def test_summary_fails_when_no_op_was_recorded(tmp_path, capsys):
     assert calls.main(["--summary", str(empty)]) == 1
     assert calls.main(["--summary", str(tmp_path / "absent.log")]) == 1
     assert "no sgl_kernel op recorded" in capsys.readouterr().out
+
+
+def _bundle(tmp_path, init=FAKE_INIT, name="bundle.tgz"):
+    pkg = tmp_path / "src" / "sgl_kernel"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(init))
+    (pkg / "elementwise.py").write_text("_has_flashinfer = False\n")
+    bundle = tmp_path / name
+    with tarfile.open(bundle, "w:gz") as tar:
+        tar.add(pkg, arcname="sgl_kernel")
+    return bundle
+
+
+def _env(tmp_path, bundle, **more):
+    return {**os.environ, "SGLK_BUNDLE": str(bundle), "SGLK_DIR": str(tmp_path / "u"),
+            "SGLK_REAL_LOG": str(tmp_path / "ops.log"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            **more}
+
+
+def test_setup_run_instead_of_sourced_says_so(tmp_path):
+    done = subprocess.run(["bash", str(RECIPE / "setup.sh")], env=_env(tmp_path, _bundle(tmp_path)),
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "source" in done.stderr and not (tmp_path / "u").exists()
+
+
+def test_setup_without_a_bundle_says_where_it_looked(tmp_path):
+    done = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh || echo REFUSED"],
+                          env=_env(tmp_path, tmp_path / "none.tgz"), capture_output=True, text=True, cwd=ROOT)
+    assert "REFUSED" in done.stdout and f"no sglang-kernel bundle at {tmp_path / 'none.tgz'}" in done.stderr
+
+
+def test_setup_sourced_again_follows_a_new_bundle_and_recorder(tmp_path):
+    """A warm machine: the checkout's recorder or bundle changed since the last unpack."""
+    bundle = _bundle(tmp_path)
+    env = _env(tmp_path, bundle)
+    first = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh"], env=env, capture_output=True, text=True,
+                           cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    unpacked = tmp_path / "u"
+    (unpacked / "sgl_kernel_calls.py").write_text((unpacked / "sgl_kernel_calls.py").read_text() + "\nSTALE = 1\n")
+    time.sleep(1.1)                               # a new bundle: another mtime and size
+    _bundle(tmp_path, FAKE_INIT + "\nNEW_BUNDLE = True\n")
+    again = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh >/dev/null && "
+                            "python3 -c 'import sgl_kernel, sgl_kernel_calls as c; "
+                            "print(\"NEW\", getattr(sgl_kernel, \"NEW_BUNDLE\", False), hasattr(c, \"STALE\"))'"],
+                           env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "NEW True False" in again.stdout, again.stderr
+    assert (unpacked / "sgl_kernel" / "__init__.py").read_text().count("_sglk_calls.install()") == 1

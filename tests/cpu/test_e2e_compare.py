@@ -798,3 +798,16 @@ def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
     plugin = str(matrix.PLUGIN)
     assert result["outcome"] == "died at startup" and result["env"]["PYTHONPATH"] == plugin
     assert f"{plugin}:{plugin}:ro" in command and f"PYTHONPATH={plugin}" in command
+
+
+def test_a_draft_cases_native_must_show_speculative_decoding_ran():
+    """Equal speculative counts on both sides prove nothing when neither side decoded
+    speculatively (the counts are absent from every answer)."""
+    plain = [{**row_dict("native"), "draft": "packed"}]
+    assert any("no speculative decoding" in p for p in verdict.judge(plain, 0.0))
+    spec = [{**row_dict("native"), "draft": "packed"}]
+    for answers in spec[0]["passes"].values():
+        for a in answers:
+            a.update(spec_verify_ct=4, spec_accepted_drafts=1)
+    assert verdict.judge(spec, 0.0) == []
+    assert verdict.judge([row_dict("native")], 0.0) == []          # no draft: nothing asked

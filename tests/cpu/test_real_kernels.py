@@ -253,3 +253,17 @@ def test_setup_sourced_again_follows_a_new_bundle_and_recorder(tmp_path):
                            env=env, capture_output=True, text=True, cwd=ROOT)
     assert "NEW True False" in again.stdout, again.stderr
     assert (unpacked / "sgl_kernel" / "__init__.py").read_text().count("_sglk_calls.install()") == 1
+
+
+def test_calls_through_an_overload_alone_are_recorded(recorded, tmp_path):
+    """sglang-kernel's wrappers call `torch.ops.sgl_kernel.<op>.default(...)` only: that
+    path alone must log the op; the overload still answers like the op's own."""
+    log, _ = recorded
+    ops = getattr(torch.ops, _NS)
+    x = torch.arange(3.0)
+    assert torch.equal(ops.negate.default(x), -x)
+    assert log.read_text() == f"{os.getpid()} negate\n"
+    assert ops.negate.default.name() == f"{_NS}::negate"
+    # a line of another format in the log (not `<pid> <op>`) is no call
+    log.write_text(log.read_text() + "CALL-MISSING double_it\n")
+    assert calls.summary(str(log))["ops_called_real"] == ["negate"]

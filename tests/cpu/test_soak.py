@@ -434,3 +434,35 @@ def test_a_second_signal_does_not_cut_the_cleanup_short():
         soak.Soak.stop_all(fake)
     assert fake.stopping.is_set() and fake.phase_stop.is_set()
     soak.Soak.stop_all(fake)                      # the second: nothing raised
+
+
+def test_each_check_of_a_finished_run_fails_it_alone():
+    """Every problem the verdict knows, each on an otherwise passing journal."""
+    def problems_of(events):
+        report = verdict.summarize(events)
+        assert report["result"] == ("fail" if report["problems"] else "pass")
+        return report["problems"]
+    assert problems_of(journal_of()) == []
+    assert "answers_after_restart" not in verdict.summarize(journal_of())["servers"][0]   # never restarted
+    cold = [e if e.get("role") != "shared" else {**e, "host": 0} for e in journal_of()]
+    assert problems_of(cold) == ["no shared answer had host-hit tokens: nothing came back from host"]
+    budget = journal_of({"type": "budget", "budget_bytes": 100, "reclaim_min_bytes": 1})
+    assert problems_of(budget) == ["no reclaim seen in kvcached's counters: no instance took pages another gave back"]
+    failed = journal_of({"type": "fault", "kind": "kill-9", "server": "s0", "ok": False, "why": "not ready again"})
+    assert problems_of(failed) == ["fault kill-9 on s0: not ready again"]
+    unchecked = [e for e in journal_of() if not (e.get("type") == "request" and e["role"] == "shared")]
+    unchecked.insert(-1, req("shared", "s0", "zz", [1], host=9))     # a prompt with no solo reference
+    assert problems_of(unchecked) == ["s0: no answer checked against the oracle"]
+    off = [{**e, "kvcached_lines": 0} if e.get("event") == "ready" else e for e in journal_of()]
+    assert problems_of(off) == ["s0: kvcached on, but its log has 0 kvcached allocation lines"]
+    small = [{**e, "weights_redrawn": []} if e.get("event") == "ready" else e for e in journal_of()]
+    assert any("trained-scale plugin did not run" in p for p in problems_of(small))
+
+
+def test_a_failed_solo_request_is_no_reference():
+    events = journal_of()
+    failed_solo = {"type": "request", "role": "solo", "server": "n", "model": "m", "key": "p", "outcome": "error",
+                   "error": "timeout"}
+    events.insert(events.index(next(e for e in events if e.get("role") == "solo")), failed_solo)
+    o = verdict.oracle(events)
+    assert o["references"] == 2 and o["mismatches"] == 0

@@ -192,7 +192,7 @@ class Runner:
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
                 "io_backend": row.io_backend,
                 "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy,
-                "models_per_rank": 2 if row.case.draft else 1}
+                "draft": row.case.draft, "models_per_rank": 2 if row.case.draft else 1}
 
     def skip_reason(self, row: matrix.Row) -> str:
         if row.not_run:

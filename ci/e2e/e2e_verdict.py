@@ -139,6 +139,10 @@ def native_problems(run: dict, l3: bool) -> list[str]:
         problems.append("native never hit the file store: the filler did not push the set out of host memory")
     if not l3 and not hits["host_tokens"]:
         problems.append("native never hit the host cache: the filler did not push the set out of the device")
+    if run.get("draft") and not any(SPEC_KEYS[0] in a for answers in (run.get("passes") or {}).values()
+                                     for a in answers):
+        problems.append("native reports no speculative decoding (no spec_verify_ct in any answer): "
+                        "equal counts would prove nothing of the draft")
     return problems
 
 

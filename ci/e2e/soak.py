@@ -106,13 +106,15 @@ class Server:
         self.lock = threading.Lock()
 
     def launch(self, journal: Journal) -> None:
-        self.expect_exit = False
         self.generation += 1
         with open(self.log, "a") as handle:
             handle.write(f"\n===== soak: start {self.generation} =====\n")
             handle.flush()
             self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT,
                                             env=self.process_env, start_new_session=True)
+        # only now: until the new process stands in self.process, the watcher must not take
+        # the killed one's exit for a crash
+        self.expect_exit = False
         journal.write({"type": "server", "event": "launched", "server": self.label, "role": self.role,
                        "model": self.case.name, "pool": self.case.pool, "kvcached": self.kvcached,
                        "ipc_name": self.ipc_name, "port": self.port, "command": self.command, "env": self.env,
@@ -355,7 +357,7 @@ class Soak:
                 self.phase_stop.wait(0.2)
                 continue
             for key in traffic.session(cat, rng):
-                if self.phase_stop.is_set() or not server.up.is_set():
+                if self.phase_stop.is_set() or not server.up.is_set() or server.paused.is_set():
                     break
                 abort = rng.uniform(0.02, 0.3) if rng.random() < self.opts.abort_rate else None
                 self.request(server, role, key, abort)
@@ -576,7 +578,9 @@ class Soak:
         deadline = time.time() + 30
         while server.inflight and time.time() < deadline:
             time.sleep(0.05)
-        drained = self.flush(server)
+        # SGLang flushes only when idle: with a timeout it waits for that (a request a client
+        # hung up on may still be running) instead of refusing at once
+        drained = self.flush(server, wait_s=10)
         server.paused.clear()
         t_after = self.journal.now()
         self.phase_stop.wait(self.observe())
@@ -586,10 +590,11 @@ class Soak:
                 "followed": {"before": before, "after": after},
                 "ok": ok, "why": "" if ok else "flush after draining did not succeed, or the server did not answer after it"}
 
-    def flush(self, server: Server) -> dict:
+    def flush(self, server: Server, wait_s: float = 0) -> dict:
         t = time.time()
         try:
-            body = e2e.post(f"{server.base}/flush_cache", {}, timeout=60)
+            body = e2e.post(f"{server.base}/flush_cache" + (f"?timeout={wait_s:g}" if wait_s else ""), {},
+                            timeout=60 + wait_s)
             return {"status": 200, "body": str(body)[:200], "s": round(time.time() - t, 3)}
         except urllib.error.HTTPError as exc:
             return {"status": exc.code, "body": exc.read().decode(errors="replace")[:200]}
@@ -673,7 +678,10 @@ class Soak:
     # ---- the run ----------------------------------------------------------------------
 
     def stop_all(self, *_):
-        """SIGTERM/SIGINT: stop the phases; run() stops the servers and writes the report."""
+        """SIGTERM/SIGINT: stop the phases; run() stops the servers and writes the report
+        (a further signal meanwhile is ignored: raised there, it would cut that short)."""
+        if self.stopping.is_set():
+            return
         self.stopping.set()
         self.phase_stop.set()
         raise Interrupted()

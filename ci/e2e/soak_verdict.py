@@ -110,6 +110,9 @@ def oracle(events: list[dict]) -> dict:
         "checked": dict(checked), "unchecked": dict(unchecked),
         "mismatches": sum(1 for f in found if f["kind"] != "noise"),
         "noise": sum(1 for f in found if f["kind"] == "noise"),
+        "kinds": {k: sum(1 for f in found if f["kind"] == k) for k in sorted({f["kind"] for f in found})},
+        "references_per_model": {m: sum(1 for (model, _) in reference if model == m)
+                                 for m in sorted({model for (model, _) in reference})},
         "details": found[:50],
     }
 
@@ -167,6 +170,11 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
         "requests": sum(1 for r in shared if r.get("outcome") == "ok"),
         "aborted_on_purpose": sum(1 for r in shared if r.get("outcome") == "aborted"),
         "errors": sum(1 for r in shared if r.get("outcome") == "error" and not r.get("expected_error")),
+        # the other loads' failures (a restarted server's rejoin, the reference loads) fail the run too
+        "errors_other_roles": {role: n for role in ("ref-native", "ref-kvcached", "rejoin")
+                               if (n := sum(1 for r in by_role.get(role, [])
+                                            if r.get("outcome") == "error" and not r.get("expected_error")))},
+        "solo_ran": "solo" in begun,
         "lost_to_faults": sum(1 for r in shared if r.get("outcome") == "error" and r.get("expected_error")),
         "host_hit_tokens": sum(r.get("host", 0) for r in shared if r.get("outcome") == "ok"),
         "mismatches": verdict["mismatches"],
@@ -206,9 +214,7 @@ def problems(report: dict) -> list[str]:
     """What fails the run."""
     out = []
     if report["mismatches"]:
-        kinds = defaultdict(int)
-        for d in report["oracle"]["details"]:
-            kinds[d["kind"]] += 1
+        kinds = report["oracle"].get("kinds") or {}
         out.append(f"{report['mismatches']} answers differ from the solo reference "
                    f"({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()) if k != 'noise')})")
     if report["crashes"]:
@@ -219,6 +225,14 @@ def problems(report: dict) -> list[str]:
         out.append("no shared answer had host-hit tokens: nothing came back from host")
     if report["errors"]:
         out.append(f"{report['errors']} shared requests failed (not counting those lost to a kill)")
+    for role, n in sorted((report.get("errors_other_roles") or {}).items()):
+        out.append(f"{n} {role} requests failed (not counting those lost to a kill)")
+    if report.get("solo_ran"):
+        have = report["oracle"].get("references_per_model") or {}
+        for model, n in sorted((report["config"].get("catalogue_prompts") or {}).items()):
+            if have.get(model, 0) < n:
+                out.append(f"{model}: {n - have.get(model, 0)} of {n} catalogue prompts have no solo reference "
+                           "(their answers go unchecked)")
     if report["config"].get("budget_bytes") and not report["reclaims"]:
         out.append("no reclaim seen in kvcached's counters: no instance took pages another gave back")
     for f in report["faults"]:

@@ -798,3 +798,34 @@ def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
     plugin = str(matrix.PLUGIN)
     assert result["outcome"] == "died at startup" and result["env"]["PYTHONPATH"] == plugin
     assert f"{plugin}:{plugin}:ro" in command and f"PYTHONPATH={plugin}" in command
+
+
+def test_a_draft_cases_native_must_show_speculative_decoding_ran():
+    """Equal speculative counts on both sides prove nothing when neither side decoded
+    speculatively (the counts are absent from every answer)."""
+    plain = [{**row_dict("native"), "draft": "packed"}]
+    assert any("no speculative decoding" in p for p in verdict.judge(plain, 0.0))
+    spec = [{**row_dict("native"), "draft": "packed"}]
+    for answers in spec[0]["passes"].values():
+        for a in answers:
+            a.update(spec_verify_ct=4, spec_accepted_drafts=1)
+    assert verdict.judge(spec, 0.0) == []
+    assert verdict.judge([row_dict("native")], 0.0) == []          # no draft: nothing asked
+
+
+def test_direct_io_rows_leave_l3_on_kernel_io_and_run_after_the_default_groups():
+    rows = matrix.build_rows([matrix.CASES["qwen2-tiny"]], ["page_first"], l3="also", io_backends=("kernel", "direct"))
+    assert {r.io_backend for r in rows if r.l3} == {"kernel"}
+    assert {r.io_backend for r in rows if not r.l3} == {"kernel", "direct"}
+    order = [rows[i] for i in matrix.run_order(rows)]
+    kinds = ["direct" if r.io_backend == "direct" else "l3" if r.l3 else "default" for r in order]
+    assert kinds == sorted(kinds, key=["default", "l3", "direct"].index)   # default groups, L3, then direct
+
+
+def test_a_draft_rows_record_says_two_models_per_rank(tmp_path):
+    opts = e2e.options(["--case", "mimo-tiny-mtp", "--out", str(tmp_path / "r.json")])
+    runner = e2e.Runner(opts, matrix.Plan())
+    draft_row, plain_row = (matrix.build_rows([matrix.CASES[n]], ["page_first"], ["native"])[0]
+                            for n in ("mimo-tiny-mtp", "qwen2-tiny"))
+    assert (runner.record(draft_row)["models_per_rank"], runner.record(draft_row)["draft"]) == (2, "packed")
+    assert (runner.record(plain_row)["models_per_rank"], runner.record(plain_row)["draft"]) == (1, "")

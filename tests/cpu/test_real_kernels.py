@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_summary_fails_when_an_op_ran_on_a_stand_in(tmp_path, capsys):
     assert doc["ops_called_real"] == ["rmsnorm", "transfer_kv_direct"]
     assert doc["processes_per_op"] == {"rmsnorm": 2, "transfer_kv_direct": 1}
     assert doc["ops_on_stand_in"] == []
-    stand_in.write_text("moe_align_block_size\n")      # the stand-in bundle logs one op name a line
+    stand_in.write_text("CALL-MISSING moe_align_block_size\n")      # as the stand-in bundle logs it
     assert calls.main(["--summary", str(real), "--stand-in-log", str(stand_in)]) == 1
     assert "on a stand-in: 1: moe_align_block_size" in capsys.readouterr().out
 
@@ -170,3 +171,99 @@ def test_setup_refuses_a_stand_in(tmp_path):
     done = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh || echo REFUSED"], env=env,
                           capture_output=True, text=True, cwd=ROOT)
     assert "REFUSED" in done.stdout and "real sgl_kernel does not import" in done.stdout
+
+
+def test_a_forked_child_records_the_ops_its_parent_already_called(recorded):
+    """The first call in each process is logged: a child forked after its parent called an
+    op logs its own first call too (its copy of the parent's memory says "seen")."""
+    import multiprocessing
+    log, _ = recorded
+    ops = getattr(torch.ops, _NS)
+    ops.double_it(torch.ones(2))
+    child = multiprocessing.get_context("fork").Process(target=lambda: ops.double_it(torch.ones(2)))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert sorted(log.read_text().splitlines()) == sorted([f"{os.getpid()} double_it", f"{child.pid} double_it"])
+
+
+def test_the_stand_in_log_is_read_as_the_stand_in_writes_it(tmp_path):
+    """The e2e bundle's stand-in writes `CALL-MISSING <op>` for an op it has no body for and
+    `DEFINE-FAIL <op>: <why>` for a schema it could not define (an import, not a call)."""
+    stand_in = tmp_path / "missing.log"
+    stand_in.write_text("DEFINE-FAIL fp8_blockwise_scaled_mm: Error in schema parsing at ( int x )\n"
+                        "CALL-MISSING moe_align_block_size\nCALL-MISSING moe_align_block_size\n")
+    doc = calls.summary(str(tmp_path / "none.log"), str(stand_in))
+    assert doc["ops_on_stand_in"] == ["moe_align_block_size"]
+
+
+def test_summary_fails_when_no_op_was_recorded(tmp_path, capsys):
+    """An empty log means the recorder never ran (the stand-in imported, or SGLK_REAL_LOG
+    not passed on): nothing shows the run used the real ops."""
+    empty = tmp_path / "real.log"
+    empty.write_text("")
+    assert calls.main(["--summary", str(empty)]) == 1
+    assert calls.main(["--summary", str(tmp_path / "absent.log")]) == 1
+    assert "no sgl_kernel op recorded" in capsys.readouterr().out
+
+
+def _bundle(tmp_path, init=FAKE_INIT, name="bundle.tgz"):
+    pkg = tmp_path / "src" / "sgl_kernel"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(init))
+    (pkg / "elementwise.py").write_text("_has_flashinfer = False\n")
+    bundle = tmp_path / name
+    with tarfile.open(bundle, "w:gz") as tar:
+        tar.add(pkg, arcname="sgl_kernel")
+    return bundle
+
+
+def _env(tmp_path, bundle, **more):
+    return {**os.environ, "SGLK_BUNDLE": str(bundle), "SGLK_DIR": str(tmp_path / "u"),
+            "SGLK_REAL_LOG": str(tmp_path / "ops.log"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            **more}
+
+
+def test_setup_run_instead_of_sourced_says_so(tmp_path):
+    done = subprocess.run(["bash", str(RECIPE / "setup.sh")], env=_env(tmp_path, _bundle(tmp_path)),
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "source" in done.stderr and not (tmp_path / "u").exists()
+
+
+def test_setup_without_a_bundle_says_where_it_looked(tmp_path):
+    done = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh || echo REFUSED"],
+                          env=_env(tmp_path, tmp_path / "none.tgz"), capture_output=True, text=True, cwd=ROOT)
+    assert "REFUSED" in done.stdout and f"no sglang-kernel bundle at {tmp_path / 'none.tgz'}" in done.stderr
+
+
+def test_setup_sourced_again_follows_a_new_bundle_and_recorder(tmp_path):
+    """A warm machine: the checkout's recorder or bundle changed since the last unpack."""
+    bundle = _bundle(tmp_path)
+    env = _env(tmp_path, bundle)
+    first = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh"], env=env, capture_output=True, text=True,
+                           cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    unpacked = tmp_path / "u"
+    (unpacked / "sgl_kernel_calls.py").write_text((unpacked / "sgl_kernel_calls.py").read_text() + "\nSTALE = 1\n")
+    time.sleep(1.1)                               # a new bundle: another mtime and size
+    _bundle(tmp_path, FAKE_INIT + "\nNEW_BUNDLE = True\n")
+    again = subprocess.run(["bash", "-c", f"source {RECIPE}/setup.sh >/dev/null && "
+                            "python3 -c 'import sgl_kernel, sgl_kernel_calls as c; "
+                            "print(\"NEW\", getattr(sgl_kernel, \"NEW_BUNDLE\", False), hasattr(c, \"STALE\"))'"],
+                           env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "NEW True False" in again.stdout, again.stderr
+    assert (unpacked / "sgl_kernel" / "__init__.py").read_text().count("_sglk_calls.install()") == 1
+
+
+def test_calls_through_an_overload_alone_are_recorded(recorded, tmp_path):
+    """sglang-kernel's wrappers call `torch.ops.sgl_kernel.<op>.default(...)` only: that
+    path alone must log the op; the overload still answers like the op's own."""
+    log, _ = recorded
+    ops = getattr(torch.ops, _NS)
+    x = torch.arange(3.0)
+    assert torch.equal(ops.negate.default(x), -x)
+    assert log.read_text() == f"{os.getpid()} negate\n"
+    assert ops.negate.default.name() == f"{_NS}::negate"
+    # a line of another format in the log (not `<pid> <op>`) is no call
+    log.write_text(log.read_text() + "CALL-MISSING double_it\n")
+    assert calls.summary(str(log))["ops_called_real"] == ["negate"]

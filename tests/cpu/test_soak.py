@@ -337,3 +337,132 @@ def test_native_noise_is_not_counted_as_a_mismatch(fake_env, monkeypatch):
     assert report["oracle"]["noise"] > 0
     kinds = {d["kind"] for d in report["oracle"]["details"]}
     assert "real" not in kinds
+
+
+def test_a_restart_is_never_seen_as_a_crash_while_it_launches(tmp_path, monkeypatch):
+    """The watcher reads (process, expect_exit, generation) while launch() runs: at no
+    point may it see the killed process with expect_exit off (a crash that did not happen)."""
+    case = soak.matrix.CASES["qwen2-tiny"]
+    server = soak.Server("s1", "shared", case, True, 1, [], {}, dict(os.environ), [sys.executable, "-c", "pass"],
+                         tmp_path / "s1.log", "x")
+    server.process = subprocess.Popen([sys.executable, "-c", "pass"])
+    server.process.wait()
+    server.expect_exit = True                     # as kill9() leaves it
+    seen = []
+    real_popen = subprocess.Popen
+
+    def watching_popen(*a, **kw):                 # what watch() would see while the new one starts
+        p = server.process
+        seen.append(p.poll() is not None and not server.expect_exit)
+        return real_popen(*a, **kw)
+    monkeypatch.setattr(soak.subprocess, "Popen", watching_popen)
+    journal = soak.Journal(tmp_path / "j.jsonl", time.time())
+    server.launch(journal)
+    server.process.wait()
+    assert seen == [False] and server.generation == 1 and not server.expect_exit
+
+
+def test_a_paused_server_gets_no_further_turn_of_a_conversation(tmp_path):
+    """A drained flush pauses the clients: one in the middle of a conversation must not send
+    its next turn (it would race the flush), however many turns are left."""
+    from types import SimpleNamespace
+    case = soak.matrix.CASES["qwen2-tiny"]
+    server = soak.Server("s0", "shared", case, True, 1, [], {}, {}, [], tmp_path / "s0.log", "x")
+    server.up.set()
+    cat = traffic.build_catalogue(0, 1024, traffic.Shape(prefixes=1, conversations=1, turns=4, long_prompts=0,
+                                                         short_prompts=0))
+    sent = []
+    fake = SimpleNamespace(opts=SimpleNamespace(seed=0, burst_period=1, abort_rate=0), phase_stop=threading.Event(),
+                           catalogues={case.name: cat}, boosted=None)
+
+    def request(srv, role, key, abort=None):
+        sent.append(key)
+        srv.paused.set()                          # the flush begins after the first turn
+        threading.Timer(0.3, fake.phase_stop.set).start()
+        return {"outcome": "ok"}
+    fake.request = request
+    soak.Soak.client(fake, server, "shared", 0, False, (0, 1), time.time())
+    assert sent == ["c0t0"]
+
+
+def journal_of(*extra, prompts=2):
+    """A finished run's journal: one shared server, two prompts answered solo and under load."""
+    launched = {"type": "server", "event": "launched", "server": "s0", "model": "m", "pool": "mha", "kvcached": True,
+                "role": "shared", "ipc_name": "x"}
+    return [{"type": "start", "config": {"catalogue_prompts": {"m": prompts}}}, launched,
+            {"type": "server", "event": "ready", "server": "s0", "weights_redrawn": [7], "kvcached_lines": 1},
+            {"type": "phase", "phase": "solo", "event": "begin", "t": 0},
+            req("solo", "n", "p", [1]), req("solo", "n", "q", [2]),
+            {"type": "phase", "phase": "shared", "event": "begin", "t": 1},
+            req("shared", "s0", "p", [1], host=64), req("shared", "s0", "q", [2]),
+            {"type": "sample", "t": 2, "instances": {"s0": {"used": 1, "prealloc": 0, "limit": 9, "live": True}}},
+            *extra, {"type": "finish"}]
+
+
+def test_failed_requests_of_every_load_fail_the_run_not_only_the_shared_ones():
+    assert verdict.summarize(journal_of())["result"] == "pass"
+    for role in ("rejoin", "ref-kvcached", "ref-native"):
+        failed = {"type": "request", "role": role, "server": "s0", "model": "m", "key": "p", "outcome": "error",
+                  "error": "HTTP 500"}
+        report = verdict.summarize(journal_of(failed))
+        assert report["result"] == "fail" and any(role in p and "failed" in p for p in report["problems"]), role
+        lost = {**failed, "expected_error": True}      # lost to a kill: not a failure
+        assert verdict.summarize(journal_of(lost))["result"] == "pass"
+
+
+def test_prompts_without_a_solo_reference_fail_the_run():
+    report = verdict.summarize(journal_of(prompts=3))   # one prompt's solo answer is missing
+    assert report["result"] == "fail" and any("no solo reference" in p for p in report["problems"])
+
+
+def test_mismatch_kinds_are_counted_over_every_mismatch_not_the_details_shown():
+    events = [req("solo", "n", "p", [1])] + [req("ref-native", "n", "p", [9])] * 60 \
+        + [req("shared", "s0", "p", [9])] * 60 + [req("shared", "s0", "p", [8])] * 3
+    o = verdict.oracle(events)
+    assert (o["mismatches"], o["noise"], len(o["details"])) == (3, 60, 50)
+    report = {"mismatches": 3, "oracle": o, "crashes": 0, "requests": 1, "host_hit_tokens": 1, "errors": 0,
+              "config": {}, "reclaims": 0, "faults": [], "servers": []}
+    assert verdict.problems(report)[0] == "3 answers differ from the solo reference (unexplained: 3)"
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short():
+    """The first SIGTERM stops the phases; one more while run() stops the servers and writes
+    the report must not raise there (servers left running, no report)."""
+    from types import SimpleNamespace
+    fake = SimpleNamespace(stopping=threading.Event(), phase_stop=threading.Event())
+    with pytest.raises(soak.Interrupted):
+        soak.Soak.stop_all(fake)
+    assert fake.stopping.is_set() and fake.phase_stop.is_set()
+    soak.Soak.stop_all(fake)                      # the second: nothing raised
+
+
+def test_each_check_of_a_finished_run_fails_it_alone():
+    """Every problem the verdict knows, each on an otherwise passing journal."""
+    def problems_of(events):
+        report = verdict.summarize(events)
+        assert report["result"] == ("fail" if report["problems"] else "pass")
+        return report["problems"]
+    assert problems_of(journal_of()) == []
+    assert "answers_after_restart" not in verdict.summarize(journal_of())["servers"][0]   # never restarted
+    cold = [e if e.get("role") != "shared" else {**e, "host": 0} for e in journal_of()]
+    assert problems_of(cold) == ["no shared answer had host-hit tokens: nothing came back from host"]
+    budget = journal_of({"type": "budget", "budget_bytes": 100, "reclaim_min_bytes": 1})
+    assert problems_of(budget) == ["no reclaim seen in kvcached's counters: no instance took pages another gave back"]
+    failed = journal_of({"type": "fault", "kind": "kill-9", "server": "s0", "ok": False, "why": "not ready again"})
+    assert problems_of(failed) == ["fault kill-9 on s0: not ready again"]
+    unchecked = [e for e in journal_of() if not (e.get("type") == "request" and e["role"] == "shared")]
+    unchecked.insert(-1, req("shared", "s0", "zz", [1], host=9))     # a prompt with no solo reference
+    assert problems_of(unchecked) == ["s0: no answer checked against the oracle"]
+    off = [{**e, "kvcached_lines": 0} if e.get("event") == "ready" else e for e in journal_of()]
+    assert problems_of(off) == ["s0: kvcached on, but its log has 0 kvcached allocation lines"]
+    small = [{**e, "weights_redrawn": []} if e.get("event") == "ready" else e for e in journal_of()]
+    assert any("trained-scale plugin did not run" in p for p in problems_of(small))
+
+
+def test_a_failed_solo_request_is_no_reference():
+    events = journal_of()
+    failed_solo = {"type": "request", "role": "solo", "server": "n", "model": "m", "key": "p", "outcome": "error",
+                   "error": "timeout"}
+    events.insert(events.index(next(e for e in events if e.get("role") == "solo")), failed_solo)
+    o = verdict.oracle(events)
+    assert o["references"] == 2 and o["mismatches"] == 0

@@ -110,7 +110,12 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
         if self.path == "/health_generate":
             return self.reply(200, {})
-        if self.path == "/flush_cache":
+        path, _, query = self.path.partition("?")
+        if path == "/flush_cache":   # ?timeout=s: wait that long for no request to run (SGLang's)
+            wait = float(dict(q.split("=", 1) for q in query.split("&") if "=" in q).get("timeout", 0))
+            deadline = time.time() + wait
+            while state["inflight"] and time.time() < deadline:
+                time.sleep(0.01)
             with lock:
                 if state["inflight"]:
                     return self.reply(400, {"text": "Cache not flushed because there are pending requests"})

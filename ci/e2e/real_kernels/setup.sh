@@ -15,19 +15,27 @@
 # Every process then logs the sgl_kernel ops it calls to $SGLK_REAL_LOG (default
 # $OUT/sgl_kernel_real_ops.log); `python3 ci/e2e/real_kernels/sgl_kernel_calls.py
 # --summary "$SGLK_REAL_LOG" --stand-in-log "$SGLK_CALL_LOG"` says which ran real and
-# which on a stand-in (none: it exits 1 otherwise).
+# which on a stand-in (it exits 1 when any ran on a stand-in, or none was recorded).
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  echo "source it (it exports PYTHONPATH for the shell): source ${BASH_SOURCE[0]}" >&2
+  exit 2
+fi
 _sglk_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SGLK_BUNDLE=${SGLK_BUNDLE:-$PWD/.e2e/sgl_kernel_045_sm90.tgz}
 SGLK_DIR=${SGLK_DIR:-/tmp/sgl_kernel_real}
-if [ ! -f "$SGLK_DIR/.unpacked" ]; then
+[ -f "$SGLK_BUNDLE" ] || { echo "no sglang-kernel bundle at $SGLK_BUNDLE (ci/e2e/real_kernels/pack.sh makes it)" >&2; return 1; }
+# unpacked again when the bundle is another one (path, size, modification time)
+_sglk_stamp="$SGLK_BUNDLE $(stat -c '%s %Y' "$SGLK_BUNDLE")"
+if [ "$(cat "$SGLK_DIR/.unpacked" 2>/dev/null)" != "$_sglk_stamp" ]; then
   rm -rf "$SGLK_DIR" && mkdir -p "$SGLK_DIR" && tar xzf "$SGLK_BUNDLE" -C "$SGLK_DIR" || return 1
   # the recorder, imported last by the package itself, so every process that imports
   # sgl_kernel (the server's scheduler and its TP workers are child processes) records
-  cp "$_sglk_here/sgl_kernel_calls.py" "$SGLK_DIR/"
   printf '\nimport os as _os, sgl_kernel_calls as _sglk_calls  # recipe: ci/e2e/real_kernels\n_sglk_calls.install()\nif _os.environ.get("SGLK_FLASHINFER", "0") != "1":\n    _sglk_calls.without_flashinfer()\n' \
-    >> "$SGLK_DIR/sgl_kernel/__init__.py"
-  touch "$SGLK_DIR/.unpacked"
+    >> "$SGLK_DIR/sgl_kernel/__init__.py" || return 1
+  printf '%s\n' "$_sglk_stamp" > "$SGLK_DIR/.unpacked"
 fi
+# the checkout's recorder, on every source (a warm machine's copy may be older)
+cp "$_sglk_here/sgl_kernel_calls.py" "$SGLK_DIR/" || return 1
 # A stand-in sgl_kernel elsewhere on the path (the e2e bundle's, in its site folder) is moved
 # aside: a runner that puts that site folder first (the differential gate does) would
 # otherwise import it instead of the real one

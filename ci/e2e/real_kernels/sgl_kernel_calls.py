@@ -13,7 +13,7 @@ see without this module.
 
 `python3 sgl_kernel_calls.py --summary LOG [--stand-in-log LOG] [--out JSON]` sums the
 logs of a run: the ops called (real), the ops a stand-in served (the e2e bundle's
-`$SGLK_CALL_LOG`), and fails (exit 1) when any op ran on a stand-in.
+`$SGLK_CALL_LOG`), and fails (exit 1) when any op ran on a stand-in or none was recorded.
 """
 from __future__ import annotations
 
@@ -46,9 +46,10 @@ class _CountingPacket:
         self._packet, self._name, self._log_path, self._seen = packet, name, log_path, seen
 
     def _record(self):
-        if self._name in self._seen:
+        key = (os.getpid(), self._name)   # a forked child inherits its parent's set
+        if key in self._seen:
             return
-        self._seen.add(self._name)
+        self._seen.add(key)
         line = f"{os.getpid()} {self._name}\n".encode()
         fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -121,16 +122,30 @@ def read_log(path: str) -> dict[str, set]:
     with open(path) as f:
         for line in f:
             parts = line.split()
-            if len(parts) == 2:
+            if len(parts) == 2 and parts[0].isdigit():
                 calls.setdefault(parts[1], set()).add(parts[0])
-            elif parts:   # the stand-in's log: one op name a line
-                calls.setdefault(parts[-1], set())
     return calls
+
+
+def read_stand_in_log(path: str) -> set[str]:
+    """Ops a stand-in was called for, from the e2e bundle's log: `CALL-MISSING <op>` for
+    an op without a body (its `DEFINE-FAIL <op>: <why>` lines are schemas, not calls)."""
+    ops: set[str] = set()
+    if not os.path.exists(path):
+        return ops
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "CALL-MISSING":
+                ops.add(parts[1])
+            elif len(parts) == 1:   # a bare op name
+                ops.add(parts[0])
+    return ops
 
 
 def summary(real_log: str, stand_in_log: str | None = None) -> dict:
     real = read_log(real_log)
-    stand_in = read_log(stand_in_log) if stand_in_log else {}
+    stand_in = read_stand_in_log(stand_in_log) if stand_in_log else set()
     return {
         "ops_called_real": sorted(real),
         "processes_per_op": {op: len(pids) for op, pids in sorted(real.items())},
@@ -151,6 +166,10 @@ def main(argv=None) -> int:
             f.write(text + "\n")
     print(f"sgl_kernel ops called (real): {len(result['ops_called_real'])}: {' '.join(result['ops_called_real'])}")
     print(f"sgl_kernel ops on a stand-in: {len(result['ops_on_stand_in'])}: {' '.join(result['ops_on_stand_in'])}")
+    if not result["ops_called_real"]:
+        print(f"no sgl_kernel op recorded in {args.summary}: the recorder did not run (was the real package "
+              "imported, with SGLK_REAL_LOG set?)")
+        return 1
     return 1 if result["ops_on_stand_in"] else 0
 
 

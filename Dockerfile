@@ -22,6 +22,11 @@ ARG PYTEST_VERSION=9.0.3
 # The build machine has no GPU: name the architectures kvcached's extension is built for
 # (Hopper, Blackwell; add 8.0 for A100).
 ARG TORCH_CUDA_ARCH_LIST="9.0;10.0"
+# pip installs into the base's own Python. A Python its distribution marks "externally
+# managed" (PEP 668: Debian's, Ubuntu 24.04's) refuses that; this lets the build's pip
+# through there and changes nothing where there is no mark. An ARG: RUN steps see it,
+# the image's environment does not keep it.
+ARG PIP_BREAK_SYSTEM_PACKAGES=1
 
 LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
       org.opencontainers.image.description="SGLang ${SGLANG_VERSION} (${SGLANG_COMMIT}) + kvcached ${KVCACHED_VERSION} with HiCache patched for elastic (strided) KV pools" \

@@ -38,16 +38,19 @@ LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/elastic-hicache
+
+# kvcached ships as an sdist whose C++/CUDA extension must link against the image's own
+# torch: no build isolation. Before the COPYs: editing the project does not rebuild it.
+RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+    python3 -m pip install --no-cache-dir --no-build-isolation "kvcached==${KVCACHED_VERSION}"
+
+# What the CPU tier below needs (bench/: its tests import the benchmark's tools).
 COPY sglang.pin ./
 COPY patches/ patches/
 COPY scripts/ scripts/
 COPY tests/ tests/
 COPY ci/ ci/
-
-# kvcached ships as an sdist whose C++/CUDA extension must link against the image's own
-# torch: no build isolation.
-RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    python3 -m pip install --no-cache-dir --no-build-isolation "kvcached==${KVCACHED_VERSION}"
+COPY bench/ bench/
 
 # Apply the series where `sglang` really imports from (an editable checkout at
 # /sgl-workspace/sglang in the official image, but detected, not assumed), then fail the

@@ -11,6 +11,7 @@ test_install_into_python.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -255,6 +256,39 @@ def test_every_copy_source_is_in_the_build_context():
     # The .dockerignore before the fix: the check names the file the build stopped at.
     before = (ROOT / ".dockerignore").read_text().replace("!sglang.pin\n", "")
     assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
+
+
+def image_workdir(into: Path) -> Path:
+    """The image's project folder (its WORKDIR) as the Dockerfile fills it: every COPY's
+    files from the build context, which .dockerignore decides. Each COPY here copies a
+    path to the same path under WORKDIR (or a file to ./); anything else is refused."""
+    from tests.support.build_context import context_files
+    files = sorted(context_files(ROOT))
+    for source in [a for k, a in instructions() if k == "COPY"]:
+        src, dst = shlex.split(source)
+        assert dst in (src, "./"), f"COPY {source}: not laid out by this check"
+        for rel in files:
+            if rel == src or rel.startswith(src.rstrip("/") + "/"):
+                (into / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, into / rel)
+    return into
+
+
+def test_the_image_tier_collects_in_what_the_image_copies(tmp_path):
+    """The defect a real build found: the CPU tier the image runs stopped at collection,
+    as tests/cpu/test_bench_tools.py imports bench/ and the image had no bench/. Here the
+    tier that scripts/install-into-python runs is collected in a folder that holds only
+    what the Dockerfile copies."""
+    installer = (ROOT / "scripts" / "install-into-python").read_text()
+    selection = "not project_files and not l3_store"
+    assert f'"-m", "{selection}", "tests/cpu"' in installer
+    work = image_workdir(tmp_path / "opt")
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() != ROOT]  # SGLang's tree stays; this checkout does not
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *others]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", selection, "tests/cpu"], cwd=work, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_build_context_skips_other_stages_and_urls():

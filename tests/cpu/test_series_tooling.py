@@ -273,6 +273,7 @@ def test_make_quotes_sglang_dir(tmp_path, patched_listing):
             assert digest(tree) == patched_listing["installed"]
 
 
+@pytest.mark.project_files  # the Makefile is not in the image
 def test_make_shows_import_errors():
     """`make` proves the patched tree imports; a traceback must reach the user."""
     makefile = (ROOT / "Makefile").read_text()

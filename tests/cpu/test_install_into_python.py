@@ -75,7 +75,10 @@ def test_editable_checkout_is_patched_at_its_root(tmp_path):
 
 
 def test_no_sglang_is_a_clear_error(tmp_path):
-    proc = install(tmp_path)
+    # A bare venv: the interpreter running the tests may have an SGLang of its own (the image's).
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = install(tmp_path / "empty", python=str(bare / "bin" / "python"))
     assert proc.returncode != 0 and "cannot import sglang" in proc.stderr
 
 

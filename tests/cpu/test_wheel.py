@@ -38,7 +38,7 @@ def base() -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, base) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    proc = run("build-wheel", "--base-wheel", base, "--pristine", Path(PRISTINE).parent, "--out", out)
+    proc = run("build-wheel", "--base-wheel", base, "--pristine", PRISTINE, "--out", out)
     assert proc.returncode == 0, proc.stderr
     return Path(proc.stdout.strip())
 

@@ -56,10 +56,11 @@ COPY bench/ bench/
 # /sgl-workspace/sglang in the official image, but detected, not assumed), then fail the
 # build unless the patched tree is the one that imports, the series reports applied and
 # the CPU test tier passes against it. kvcached stays off for the tier (no GPU here);
-# pytest is removed again afterwards.
+# pytest is removed again afterwards, and build/ (the tier's downloads).
 RUN python3 -m pip install --no-cache-dir "pytest==${PYTEST_VERSION}" \
  && ENABLE_KVCACHED=false python3 scripts/install-into-python --python python3 --run-cpu-tier \
  && python3 -m pip uninstall -y pytest \
+ && rm -rf build \
  && find tests -name __pycache__ -prune -exec rm -rf {} +
 
 # kvcached on, through its autopatch (.pth installed with it). Its contiguous layout is

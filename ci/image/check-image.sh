@@ -54,8 +54,10 @@ run ENABLE_KVCACHED=false WANT=sglang -- python3 -c "$pools"
 
 check "python3 -m sglang.launch_server --help"
 out=$(run -- python3 -m sglang.launch_server --help)
-printf '%s\n' "$out" | head -n 5
-printf '... (%s lines)\n' "$(printf '%s\n' "$out" | wc -l)"
-printf '%s\n' "$out" | grep -q -- '--enable-hierarchical-cache' \
+# Here-strings, not pipes: a reader that stops early (head, grep -q) would make the
+# writer's SIGPIPE fail the script under pipefail.
+head -n 5 <<< "$out"
+printf '... (%s lines)\n' "$(wc -l <<< "$out")"
+grep -q -- '--enable-hierarchical-cache' <<< "$out" \
   || { echo "error: --help does not list --enable-hierarchical-cache" >&2; exit 1; }
 printf '\nok: every check passed\n'

@@ -156,4 +156,6 @@ def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
     assert proc.returncode == 0, proc.stderr
     args = log.read_text().splitlines()
     assert "--basetemp" in args and Path(args[args.index("--basetemp") + 1]).is_relative_to(temp)
-    assert list(temp.iterdir()) == []  # the pristine copy and pytest's folders are gone
+    # The pristine copy and pytest's folders are gone (what SGLang's imports leave in
+    # TMPDIR, e.g. a per-user folder, is theirs).
+    assert [p.name for p in temp.iterdir() if p.name.startswith(("sglang-pristine-", "sglang-tier-"))] == []

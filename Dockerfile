@@ -22,6 +22,11 @@ ARG PYTEST_VERSION=9.0.3
 # The build machine has no GPU: name the architectures kvcached's extension is built for
 # (Hopper, Blackwell; add 8.0 for A100).
 ARG TORCH_CUDA_ARCH_LIST="9.0;10.0"
+# pip installs into the base's own Python. A Python its distribution marks "externally
+# managed" (PEP 668: Debian's, Ubuntu 24.04's) refuses that; this lets the build's pip
+# through there and changes nothing where there is no mark. An ARG: RUN steps see it,
+# the image's environment does not keep it.
+ARG PIP_BREAK_SYSTEM_PACKAGES=1
 
 LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
       org.opencontainers.image.description="SGLang ${SGLANG_VERSION} (${SGLANG_COMMIT}) + kvcached ${KVCACHED_VERSION} with HiCache patched for elastic (strided) KV pools" \
@@ -33,25 +38,29 @@ LABEL org.opencontainers.image.title="sglang-elastic-hicache" \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/elastic-hicache
+
+# kvcached ships as an sdist whose C++/CUDA extension must link against the image's own
+# torch: no build isolation. Before the COPYs: editing the project does not rebuild it.
+RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+    python3 -m pip install --no-cache-dir --no-build-isolation "kvcached==${KVCACHED_VERSION}"
+
+# What the CPU tier below needs (bench/: its tests import the benchmark's tools).
 COPY sglang.pin ./
 COPY patches/ patches/
 COPY scripts/ scripts/
 COPY tests/ tests/
 COPY ci/ ci/
-
-# kvcached ships as an sdist whose C++/CUDA extension must link against the image's own
-# torch: no build isolation.
-RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    python3 -m pip install --no-cache-dir --no-build-isolation "kvcached==${KVCACHED_VERSION}"
+COPY bench/ bench/
 
 # Apply the series where `sglang` really imports from (an editable checkout at
 # /sgl-workspace/sglang in the official image, but detected, not assumed), then fail the
 # build unless the patched tree is the one that imports, the series reports applied and
 # the CPU test tier passes against it. kvcached stays off for the tier (no GPU here);
-# pytest is removed again afterwards.
+# pytest is removed again afterwards, and build/ (the tier's downloads).
 RUN python3 -m pip install --no-cache-dir "pytest==${PYTEST_VERSION}" \
  && ENABLE_KVCACHED=false python3 scripts/install-into-python --python python3 --run-cpu-tier \
  && python3 -m pip uninstall -y pytest \
+ && rm -rf build \
  && find tests -name __pycache__ -prune -exec rm -rf {} +
 
 # kvcached on, through its autopatch (.pth installed with it). Its contiguous layout is

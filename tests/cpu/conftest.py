@@ -14,7 +14,7 @@ def pytest_configure(config):
         "markers",
         "project_files: checks this project's own files (Dockerfile, CI workflows, e2e script), "
         "not the SGLang tree; deselected by scripts/install-into-python, which runs the tier "
-        "inside the image where only patches/, scripts/ and tests/ are copied")
+        "inside the image, where only what the Dockerfile copies is (no docs, no Makefile)")
     config.addinivalue_line(
         "markers",
         "l3_store: starts a Mooncake master (the mooncake package, libibverbs1: .ci/run "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -151,6 +152,7 @@ def test_comparison_lists_what_only_the_patched_tree_adds_without_failing():
     assert not compare.compare(_document(), _document()).first
 
 
+@pytest.mark.project_files  # docs/runs is not in the image
 @pytest.mark.parametrize("run", ["2026-11-30-h200", "2026-12-01-h200", "2026-12-01-h200-long-trips"])
 def test_gpu_results_in_the_docs_are_the_committed_runs(run):
     # docs/differential.md's GPU tables are what the committed runner outcomes say
@@ -199,7 +201,9 @@ def test_gpu_runner_unregisters_what_a_case_left_pinned(monkeypatch):
     monkeypatch.setattr(common, "_cuda_host_register", lambda buffer, *a, **k: calls.append(("register", buffer)))
     monkeypatch.setattr(common, "_cuda_host_unregister", lambda buffer: calls.append(("unregister", buffer)))
     monkeypatch.setattr(kernels, "_registered", [])
-    kernels.real()
+    # An installed sgl_kernel would ask the (faked) device for its architecture on import.
+    monkeypatch.setitem(sys.modules, "sgl_kernel", None)
+    assert kernels.real() == "sgl_kernel: not installed"
     left, released = torch.zeros(4), torch.zeros(8)
     common._cuda_host_register(left)
     common._cuda_host_register(released)

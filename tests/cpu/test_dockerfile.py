@@ -11,6 +11,7 @@ test_install_into_python.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -49,27 +50,39 @@ def args_of(kind: str, text: str | None = None) -> list[str]:
 
 
 # Every external command a RUN starts lands here (bash calls command_not_found_handle
-# for any name not on PATH): it counts the step, logs it, and fails the one named.
+# for any name not on PATH): it logs the step (what the build's environment gave it, a
+# tab, the command line), and fails the FAIL_NTH run of the command line FAIL_CMD.
+# Steps are told apart by their command line, not by a counter: the commands of one
+# pipeline run at once, in no fixed order (a shared counter raced there).
 STUB = r"""
 command_not_found_handle() {
-  local n
-  read -r n < "$STEP_COUNT"; n=$((n + 1)); echo "$n" > "$STEP_COUNT"
-  echo "$n ENABLE_KVCACHED=${ENABLE_KVCACHED:-} $*" >> "$STEP_LOG"
-  [ "$n" != "$FAIL_AT" ]
+  local me="$BASHPID.$RANDOM$RANDOM" cmd="$*" id seen=0 rest
+  printf '%s\t%s\t%s\n' "$me" "ENABLE_KVCACHED=${ENABLE_KVCACHED:-} PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}" \
+    "$cmd" >> "$STEP_LOG"
+  [ "$cmd" = "${FAIL_CMD-}" ] || return 0
+  while IFS=$'\t' read -r id _ rest; do
+    [ "$rest" = "$cmd" ] && seen=$((seen + 1))
+    [ "$id" = "$me" ] && break
+  done < "$STEP_LOG"
+  [ "$seen" != "$FAIL_NTH" ]
 }
 """
 
 
-def run_stubbed(command: str, shell: list[str], fail_at: int, scratch: Path) -> tuple[int, list[str]]:
-    """Run a RUN's command as Docker would (its SHELL), every external command a stub;
-    the ``fail_at``-th command fails (0: none). Returns the exit status and the steps run."""
+def run_stubbed(command: str, shell: list[str], scratch: Path, fail: tuple[str, int] | None = None,
+                build_env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Run a RUN's command as Docker would (its SHELL, with ``build_env``: the ARG and
+    ENV values it sees), every external command a stub; ``fail`` (command line, n) makes
+    that command line's n-th run fail. Returns the exit status and the steps run, in
+    order, each "ENV=... ENV=...<tab>command line"."""
     (scratch / "prelude").write_text(STUB)
-    (scratch / "count").write_text("0\n")
     (scratch / "log").write_text("")
-    env = {"PATH": str(scratch / "no-commands"), "BASH_ENV": str(scratch / "prelude"), "FAIL_AT": str(fail_at),
-           "STEP_COUNT": str(scratch / "count"), "STEP_LOG": str(scratch / "log")}
+    env = {**(build_env or {}), "PATH": str(scratch / "no-commands"), "BASH_ENV": str(scratch / "prelude"),
+           "STEP_LOG": str(scratch / "log")}
+    if fail:
+        env.update(FAIL_CMD=fail[0], FAIL_NTH=str(fail[1]))
     proc = subprocess.run([*shell, command], env=env, capture_output=True, text=True, cwd=scratch)
-    return proc.returncode, (scratch / "log").read_text().splitlines()
+    return proc.returncode, [line.split("\t", 1)[1] for line in (scratch / "log").read_text().splitlines()]
 
 
 def failures_the_build_survives(text: str, scratch: Path) -> list[str]:
@@ -77,12 +90,58 @@ def failures_the_build_survives(text: str, scratch: Path) -> list[str]:
     shell = json.loads(args_of("SHELL", text)[-1]) if args_of("SHELL", text) else ["/bin/sh", "-c"]
     survived = []
     for command in args_of("RUN", text):
-        status, steps = run_stubbed(command, shell, 0, scratch)
+        status, steps = run_stubbed(command, shell, scratch)
         assert status == 0 and steps, f"the RUN does not pass with every step passing: {command}"
-        for number, step in enumerate(steps, 1):
-            if run_stubbed(command, shell, number, scratch)[0] == 0:
-                survived.append(step)
+        lines = [step.split("\t", 1)[1] for step in steps]
+        for index, line in enumerate(lines):
+            if run_stubbed(command, shell, scratch, (line, lines[:index + 1].count(line)))[0] == 0:
+                survived.append(steps[index])
     return survived
+
+
+def build_env_at(index: int, text: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """What the instruction at ``index`` sees in its environment, split in (ARG, ENV):
+    ARG defaults and ENV values declared after the last FROM before it (an ARG before
+    FROM does not reach the build stage). Values are kept as written (no ${} expansion)."""
+    steps = instructions(text)
+    start = max(i for i, (k, _) in enumerate(steps[:index]) if k == "FROM")
+    args, envs = {}, {}
+    for keyword, rest in steps[start + 1:index]:
+        if keyword == "ARG" and "=" in rest:
+            name, value = rest.split("=", 1)
+            args[name] = shlex.split(value)[0] if value else ""
+        elif keyword == "ENV":
+            envs.update(word.split("=", 1) for word in shlex.split(rest))
+    return args, envs
+
+
+def test_pip_may_install_into_an_externally_managed_python(tmp_path):
+    """The defect a real build found: on a base whose Python is marked externally
+    managed (PEP 668; Debian's), `python3 -m pip install` is refused and the build
+    stopped at kvcached. Every pip step must run with PIP_BREAK_SYSTEM_PACKAGES=1, set
+    for the build only (an ARG), not left in the image's environment."""
+    steps = instructions()
+    shell = json.loads(args_of("SHELL")[-1])
+    pip_steps = []
+    for index, (keyword, command) in enumerate(steps):
+        if keyword != "RUN":
+            continue
+        args, envs = build_env_at(index)
+        status, ran = run_stubbed(command, shell, tmp_path, build_env={**args, **envs})
+        assert status == 0
+        pip_steps += [step for step in ran if "\tpython3 -m pip " in step]
+    assert len(pip_steps) == 3, pip_steps  # kvcached, pytest in, pytest out
+    for step in pip_steps:
+        assert " PIP_BREAK_SYSTEM_PACKAGES=1\t" in step, step
+    args, envs = build_env_at(len(steps))
+    assert "PIP_BREAK_SYSTEM_PACKAGES" not in envs
+
+
+def test_build_env_at_follows_the_stage():
+    text = ('ARG A=0\nFROM x\nARG B="1;2"\nENV C=3 D="4 5"\nRUN r\nARG E=6\nFROM y\nARG F\nRUN s\n')
+    steps = instructions(text)
+    assert build_env_at(4, text) == ({"B": "1;2"}, {"C": "3", "D": "4 5"})
+    assert build_env_at(len(steps), text) == ({}, {})
 
 
 def test_hadolint_passes():
@@ -127,7 +186,7 @@ def test_build_fails_unless_the_patched_tree_imports_and_the_cpu_tier_passes(tmp
     steps = instructions()
     install = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "scripts/install-into-python" in a]
     assert len(install) == 1
-    status, ran = run_stubbed(steps[install[0]][1], json.loads(args_of("SHELL")[-1]), 0, tmp_path)
+    status, ran = run_stubbed(steps[install[0]][1], json.loads(args_of("SHELL")[-1]), tmp_path)
     installer = [step for step in ran if "scripts/install-into-python" in step]
     assert status == 0 and len(installer) == 1
     assert "ENABLE_KVCACHED=false" in installer[0] and "--run-cpu-tier" in installer[0]
@@ -197,6 +256,39 @@ def test_every_copy_source_is_in_the_build_context():
     # The .dockerignore before the fix: the check names the file the build stopped at.
     before = (ROOT / ".dockerignore").read_text().replace("!sglang.pin\n", "")
     assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
+
+
+def image_workdir(into: Path) -> Path:
+    """The image's project folder (its WORKDIR) as the Dockerfile fills it: every COPY's
+    files from the build context, which .dockerignore decides. Each COPY here copies a
+    path to the same path under WORKDIR (or a file to ./); anything else is refused."""
+    from tests.support.build_context import context_files
+    files = sorted(context_files(ROOT))
+    for source in [a for k, a in instructions() if k == "COPY"]:
+        src, dst = shlex.split(source)
+        assert dst in (src, "./"), f"COPY {source}: not laid out by this check"
+        for rel in files:
+            if rel == src or rel.startswith(src.rstrip("/") + "/"):
+                (into / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, into / rel)
+    return into
+
+
+def test_the_image_tier_collects_in_what_the_image_copies(tmp_path):
+    """The defect a real build found: the CPU tier the image runs stopped at collection,
+    as tests/cpu/test_bench_tools.py imports bench/ and the image had no bench/. Here the
+    tier that scripts/install-into-python runs is collected in a folder that holds only
+    what the Dockerfile copies."""
+    installer = (ROOT / "scripts" / "install-into-python").read_text()
+    selection = "not project_files and not l3_store"
+    assert f'"-m", "{selection}", "tests/cpu"' in installer
+    work = image_workdir(tmp_path / "opt")
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() != ROOT]  # SGLang's tree stays; this checkout does not
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *others]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", selection, "tests/cpu"], cwd=work, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_build_context_skips_other_stages_and_urls():

@@ -75,7 +75,10 @@ def test_editable_checkout_is_patched_at_its_root(tmp_path):
 
 
 def test_no_sglang_is_a_clear_error(tmp_path):
-    proc = install(tmp_path)
+    # A bare venv: the interpreter running the tests may have an SGLang of its own (the image's).
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = install(tmp_path / "empty", python=str(bare / "bin" / "python"))
     assert proc.returncode != 0 and "cannot import sglang" in proc.stderr
 
 
@@ -126,3 +129,33 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
 def test_an_interpreter_that_cannot_run_is_one_line(tmp_path, python):
     proc = install(tmp_path, python=python)
     assert proc.returncode == 1 and proc.stderr == f"error: cannot run {python}: No such file or directory; nothing changed\n"
+
+
+def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
+    """Found by the image's build: the tier's pytest left its temporary folders in /tmp,
+    over 500 MB in the image's layer. The tier must get a --basetemp that is removed
+    afterwards. Here a stand-in interpreter plays pytest (writes into --basetemp) and
+    passes everything else to the real one."""
+    site = copy_pristine(tmp_path / "site")
+    temp, log = tmp_path / "temp", tmp_path / "pytest-args"
+    temp.mkdir()
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        if [ "$1 $2" = "-m pytest" ]; then
+          printf '%s\\n' "$@" > {log}
+          while [ $# -gt 0 ]; do [ "$1" = --basetemp ] && mkdir -p "$2/test0" && echo x > "$2/test0/f"; shift; done
+          exit 0
+        fi
+        exec {sys.executable} "$@"
+        """))
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(site), TMPDIR=str(temp))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"), "--python", str(fake),
+                           "--run-cpu-tier"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    args = log.read_text().splitlines()
+    assert "--basetemp" in args and Path(args[args.index("--basetemp") + 1]).is_relative_to(temp)
+    # The pristine copy and pytest's folders are gone (what SGLang's imports leave in
+    # TMPDIR, e.g. a per-user folder, is theirs).
+    assert [p.name for p in temp.iterdir() if p.name.startswith(("sglang-pristine-", "sglang-tier-"))] == []

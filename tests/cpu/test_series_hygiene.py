@@ -130,6 +130,7 @@ def project_copy(dest: Path) -> Path:
 
 
 @needs_pristine
+@pytest.mark.project_files  # the project's git history and lint tools (requirements/lint.txt)
 def test_the_export_round_trip_catches_a_patch_its_commit_would_not_give(tmp_path):
     """A hunk header's function context is git's to write: edited by hand, only a
     re-export from the commits shows it."""
@@ -148,6 +149,7 @@ def test_the_export_round_trip_catches_a_patch_its_commit_would_not_give(tmp_pat
 
 
 @needs_pristine
+@pytest.mark.project_files  # the project's lint tools (requirements/lint.txt)
 def test_sglang_formatters_catch_a_badly_formatted_line(tmp_path):
     series = _series.Series.load()
     pristine = _series.find_target(Path(os.environ["PRISTINE_SGLANG"]).parent)

@@ -261,6 +261,7 @@ def test_an_unreadable_journal_is_left_alone(tree):
     assert digest(tree) == before
 
 
+@pytest.mark.project_files  # the Makefile is not in the image
 def test_make_quotes_sglang_dir(tmp_path, patched_listing):
     tree = small_tree(tmp_path / "a b", "installed")
     count = len(series_names())
@@ -273,6 +274,7 @@ def test_make_quotes_sglang_dir(tmp_path, patched_listing):
             assert digest(tree) == patched_listing["installed"]
 
 
+@pytest.mark.project_files  # the Makefile is not in the image
 def test_make_shows_import_errors():
     """`make` proves the patched tree imports; a traceback must reach the user."""
     makefile = (ROOT / "Makefile").read_text()

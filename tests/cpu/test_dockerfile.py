@@ -30,19 +30,10 @@ PIN = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().spli
 
 
 def instructions(text: str | None = None) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
-    out, pending = [], ""
-    for line in (DOCKERFILE.read_text() if text is None else text).splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        text = (pending + line).strip()
-        pending = ""
-        keyword, _, args = text.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
+    """(INSTRUCTION, arguments) of the Dockerfile (or of `text`) in order."""
+    from tests.support.build_context import instructions as parse
+
+    return parse(DOCKERFILE.read_text() if text is None else text)
 
 
 def args_of(kind: str, text: str | None = None) -> list[str]:

@@ -102,7 +102,9 @@ def context_files(root: Path, ignore_text: str | None = None) -> set[str]:
     return out
 
 
-def _instructions(text: str) -> list[tuple[str, str]]:
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile in order, continuation lines joined,
+    comments dropped."""
     out, pending = [], ""
     for line in text.splitlines():
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
@@ -121,7 +123,7 @@ def copy_sources(dockerfile_text: str) -> list[str]:
     """The context paths every COPY/ADD reads (not those COPY --from another stage or
     image, nor ADD of a URL)."""
     sources = []
-    for keyword, args in _instructions(dockerfile_text):
+    for keyword, args in instructions(dockerfile_text):
         if keyword not in ("COPY", "ADD"):
             continue
         flags = []

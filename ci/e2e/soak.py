@@ -58,6 +58,7 @@ import e2e_verdict as judge  # noqa: E402
 import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
+from real_kernels import sgl_kernel_calls  # noqa: E402
 
 STANDIN_SITE = HERE / "standin" / "site"
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")
@@ -209,7 +210,8 @@ class Soak:
         return {"argv": sys.argv[1:], "models": o.models, "duration_s": o.duration, "ref_duration_s": o.ref_duration,
                 "clients": o.clients, "burst_clients": o.burst_clients, "burst_period_s": o.burst_period,
                 "max_total_tokens": o.max_total_tokens, "budget_fraction": o.budget_fraction,
-                "floor_tokens": o.floor_tokens, "hicache_ratio": o.hicache_ratio,
+                "floor_tokens": o.floor_tokens, "max_cached_tokens": o.max_cached_tokens,
+                "hicache_ratio": o.hicache_ratio,
                 "small_host_ratio": o.small_host_ratio, "max_new_tokens": o.max_new_tokens,
                 "abort_rate": o.abort_rate, "deterministic": not o.no_deterministic, "seed": o.seed,
                 "server_flags": o.server_flags, "env": o.env, "python": o.python,
@@ -244,6 +246,7 @@ class Soak:
             if on:
                 ipc = f"{tag}_{label}".replace(".", "-")
                 env["KVCACHED_IPC_NAME"] = ipc
+                env["KVCACHED_MAX_CACHED_TOKENS"] = str(o.max_cached_tokens)
             if deep_gemm:
                 env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
             path = [*([str(Path(o.native_path).resolve())] if (o.native_path and not on) else []),
@@ -722,6 +725,9 @@ class Soak:
             for s in self.servers.values():
                 if s.kvcached:
                     kvc.remove_segments(self.opts.shm_dir, s.ipc_name)
+        if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/e2e/real_kernels/setup.sh)
+            self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(
+                os.environ["SGLK_REAL_LOG"], os.environ.get("SGLK_CALL_LOG"))})
         if finished:
             self.journal.write({"type": "finish"})
         report = self.write_report()
@@ -751,13 +757,16 @@ def options(argv=None):
     ap.add_argument("--duration", type=float, default=600, help="seconds of the shared phase")
     ap.add_argument("--ref-duration", type=float, help="seconds of reference load per model (default: duration/10, 10..60)")
     ap.add_argument("--no-reference", action="store_true", help="no unshared servers (no oracle: every answer unchecked)")
-    ap.add_argument("--clients", type=int, default=3, help="clients per server, always on")
+    ap.add_argument("--clients", type=int, default=2, help="clients per server, always on")
     ap.add_argument("--burst-clients", type=int, default=6, help="more clients per server during its burst window")
     ap.add_argument("--burst-period", type=float, help="seconds of each burst window (default: duration/8, 8..30)")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="each server's device pool")
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="kvcached budget of the shared servers: this fraction of what their pools want")
     ap.add_argument("--floor-tokens", type=int, default=6144, help="no shared server's limit goes below this")
+    ap.add_argument("--max-cached-tokens", type=int, default=2048,
+                    help="KVCACHED_MAX_CACHED_TOKENS of the kvcached servers: finished requests' tokens kept on the "
+                         "device (the rest lives in the host pool); below --floor-tokens, so a lowered limit takes effect")
     ap.add_argument("--hicache-ratio", type=float, default=4)
     ap.add_argument("--small-host-ratio", type=float, default=1.0,
                     help="the last shared server's --hicache-ratio (host pool smaller than its working set); 0: off")
@@ -789,6 +798,9 @@ def options(argv=None):
         ap.error("--models takes two or three models (one shared server each)")
     if opts.duration <= 0 or not 0 < opts.budget_fraction < 1:
         ap.error("--duration must be positive and --budget-fraction between 0 and 1")
+    if not 0 <= opts.max_cached_tokens < opts.floor_tokens:
+        ap.error("--max-cached-tokens must be from 0 to below --floor-tokens: kvcached lowers a pool's limit only "
+                 "once its pages in use fit under it, and a server keeps that many cached tokens in use")
     if min(opts.clients, opts.burst_clients) < 0 or opts.clients + opts.burst_clients < 1:
         ap.error("--clients and --burst-clients must be non-negative, one of them positive")
     if opts.ref_duration is None:

@@ -11,7 +11,10 @@ file is locked with flock, shared to read and exclusive to write (kvcached's
 `cli/utils.py` RwLockedShm, `kvctl list`/`kvctl limit`). A changed `total_size` is picked up
 by the pool's resize watcher (every 100 ms) and applied at its next allocation: a larger
 limit at once, a smaller one as soon as the pages in use fit under it ("deferred" until
-then; meanwhile the pool reports no free page, so SGLang evicts).
+then; meanwhile the pool reports no free page, so SGLang evicts what each request needs and
+no more). The tokens in use are the running requests' and the finished ones' SGLang keeps
+cached, up to KVCACHED_MAX_CACHED_TOKENS (kvcached's cap, 16000 by default): with that cap
+above a server's floor, a lowered limit never takes effect (the first GPU run).
 
 The GPU itself is far larger than the tiny models need, so the scarcity a soak run needs
 is made with these limits, kvcached's own control for several models on one GPU: a total
@@ -166,31 +169,53 @@ class Arbiter:
         return rec is not None and rec[0] != share
 
 
-def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.9) -> dict:
+def mapped(counters: dict) -> int:
+    """Bytes an instance has mapped: pages in use and pages kept in reserve."""
+    return counters["used"] + counters.get("prealloc", 0)
+
+
+def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.9, window: float = 10.0) -> dict:
     """Pages given back by one instance and mapped by another, from counter samples.
 
     samples: {"t": seconds, "instances": {name: {"used": bytes, "prealloc": bytes,
-    "live": bool}}} in time order. Between two samples, drops of live instances' used bytes and rises of others'
-    are matched (the smaller of the two sums); the interval is a reclaim when that amount
-    is at least min_bytes (one page bundle) and the live instances together held at least
-    `slack` of the budget before it (pages were scarce). Returns the count, the bytes moved
-    and, per (giver, taker), the bytes (split in proportion)."""
-    count, moved, pairs = 0, 0, {}
+    "live": bool, "role": str}}} in time order; instances of another role than "shared"
+    (the unshared references) are left out. Between two samples each live instance's mapped
+    bytes (`mapped`) rise or fall. A fall is matched with other instances' rises less than
+    `window` s before or after it (the order varies: a raised limit is taken at once, a lowered
+    one once the pages in use fit under it), each rise matched once, oldest first; a fall whose
+    matched amount is at least min_bytes (one page bundle), with the instances together
+    mapping at least `slack` of the budget before the fall and after the rise (pages were scarce), is
+    one reclaim. Returns the count, the bytes moved and, per "giver->taker", the bytes."""
+    def shared(counters: dict) -> bool:
+        return counters.get("live", True) and counters.get("role", "shared") == "shared"
+
+    # [t, instance, bytes (left to match), what the instances mapped: before a fall, after a rise]
+    falls, rises = [], []
     for before, after in zip(samples, samples[1:]):
         a, b = before["instances"], after["instances"]
-        common = [n for n in a if n in b and a[n].get("live", True) and b[n].get("live", True)]
-        held = sum(a[n]["used"] + a[n].get("prealloc", 0) for n in common)
-        drops = {n: a[n]["used"] - b[n]["used"] for n in common if a[n]["used"] > b[n]["used"]}
-        rises = {n: b[n]["used"] - a[n]["used"] for n in common if b[n]["used"] > a[n]["used"]}
-        amount = min(sum(drops.values()), sum(rises.values()))
-        if amount < min_bytes or held < slack * budget:
+        common = [n for n in a if n in b and shared(a[n]) and shared(b[n])]
+        total_before = sum(mapped(c) for c in a.values() if shared(c))
+        total_after = sum(mapped(c) for c in b.values() if shared(c))
+        for n in common:
+            delta = mapped(b[n]) - mapped(a[n])
+            if delta > 0:
+                rises.append([after["t"], n, delta, total_after])
+            elif delta < 0:
+                falls.append([after["t"], n, -delta, total_before])
+    count, moved, pairs = 0, 0, {}
+    for t, giver, amount, total in falls:
+        takes = []                   # (rise, bytes): kept only if the fall is a reclaim
+        for rise in rises:
+            left = amount - sum(n for _, n in takes)
+            if not left:
+                break
+            if rise[1] != giver and rise[2] and abs(rise[0] - t) <= window and min(total, rise[3]) >= slack * budget:
+                takes.append((rise, min(left, rise[2])))
+        matched = sum(n for _, n in takes)
+        if matched < min_bytes:
             continue
-        count += 1
-        moved += amount
-        total_drop, total_rise = sum(drops.values()), sum(rises.values())
-        for giver, d in drops.items():
-            for taker, r in rises.items():
-                if giver != taker:
-                    key = f"{giver}->{taker}"
-                    pairs[key] = pairs.get(key, 0) + int(amount * d / total_drop * r / total_rise)
+        count, moved = count + 1, moved + matched
+        for rise, n in takes:
+            rise[2] -= n
+            pairs[f"{giver}->{rise[1]}"] = pairs.get(f"{giver}->{rise[1]}", 0) + n
     return {"count": count, "bytes": moved, "pairs": pairs}

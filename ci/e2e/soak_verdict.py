@@ -152,6 +152,7 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
             info["answers_after_restart"] = {"ok": len(later), "differ": sum(r.get("match") is False for r in later),
                                              "checked": sum("match" in r for r in later)}
     samples = [e for e in events if e.get("type") == "sample"]
+    budget_set = next((e.get("t", 0) for e in events if e.get("type") == "budget"), float("inf"))
     budget = config.get("budget_bytes") or 0
     moved = count_reclaims(samples, budget, config.get("reclaim_min_bytes", 1)) if samples and budget else \
         {"count": 0, "bytes": 0, "pairs": {}}
@@ -187,8 +188,12 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
                     if role in by_role},
         "oracle": verdict,
         "counters": counter_summary(samples),
+        "budget": budget_use([s for s in samples if s.get("t", 0) >= budget_set], budget),
         "finished": any(e.get("type") == "finish" for e in events),
     }
+    ops = [e for e in events if e.get("type") == "sgl_kernel_ops"]
+    if ops:
+        report["sgl_kernel_ops"] = {k: v for k, v in ops[-1].items() if k not in ("type", "t")}
     report["problems"] = problems(report)
     report["result"] = "pass" if not report["problems"] and report["finished"] else \
         ("fail" if report["problems"] else "incomplete")
@@ -208,6 +213,18 @@ def counter_summary(samples: list[dict]) -> dict:
             o["used_min"], o["used_max"] = min(o["used_min"], c["used"]), max(o["used_max"], c["used"])
             o["limit_min"], o["limit_max"] = min(o["limit_min"], c["limit"]), max(o["limit_max"], c["limit"])
     return out
+
+
+def budget_use(samples: list[dict], budget: int) -> dict:
+    """How well the shared instances kept to the budget: the most they mapped together
+    (pages in use and in reserve) and the share of samples above the budget. kvcached
+    lowers a limit only once the pages in use fit under it, so a budget can be overrun."""
+    from soak_kvc import mapped
+    totals = [sum(mapped(c) for c in s["instances"].values()
+                  if c.get("live", True) and c.get("role", "shared") == "shared") for s in samples]
+    over = sum(1 for t in totals if budget and t > budget)
+    return {"bytes": budget, "mapped_max_bytes": max(totals, default=0),
+            "over_budget_share": round(over / len(totals), 3) if totals else 0.0}
 
 
 def problems(report: dict) -> list[str]:

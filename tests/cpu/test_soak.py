@@ -165,7 +165,8 @@ def test_the_budget_keeps_floors_and_gives_the_spare_to_the_burst(tmp_path):
 
 
 def samples(*rows, budget_used=True):
-    return [{"t": i, "instances": {n: {"used": u, "prealloc": 0, "live": True} for n, u in row.items()}}
+    return [{"t": i, "instances": {n: {"used": u, "prealloc": 0, "live": True, "role": "shared"}
+                                   for n, u in row.items()}}
             for i, row in enumerate(rows)]
 
 
@@ -185,6 +186,31 @@ def test_reclaims_count_pages_one_gave_back_and_another_took():
     dead = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib})
     dead[1]["instances"]["a"]["live"] = False
     assert kvc.reclaims(dead, 100 * mib, 2 * mib)["count"] == 0
+
+
+def test_reclaims_match_a_rise_before_or_after_the_fall_within_the_window():
+    mib = 1 << 20
+    # a raised limit is taken at once (b rises first), the lowered one waits for the pages in
+    # use to fit (a falls three samples later): one reclaim
+    later = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 60 * mib, "b": 50 * mib}, {"a": 60 * mib, "b": 50 * mib},
+                    {"a": 60 * mib, "b": 50 * mib}, {"a": 50 * mib, "b": 50 * mib})
+    assert kvc.reclaims(later, 100 * mib, 2 * mib) == {"count": 1, "bytes": 10 * mib, "pairs": {"a->b": 10 * mib}}
+    assert kvc.reclaims(later, 100 * mib, 2 * mib, window=2)["count"] == 0
+    # each rise is taken once: a second fall has nothing left to match
+    twice = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, {"a": 40 * mib, "b": 50 * mib})
+    assert kvc.reclaims(twice, 100 * mib, 2 * mib)["bytes"] == 10 * mib
+    # pages kept in reserve are mapped too: a fall of used bytes into the reserve moves nothing
+    reserve = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib})
+    reserve[1]["instances"]["a"]["prealloc"] = 10 * mib
+    assert kvc.reclaims(reserve, 100 * mib, 2 * mib)["count"] == 0
+    # the unshared references are not under the budget
+    ref = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib})
+    for row in ref:
+        row["instances"]["b"]["role"] = "ref-kvcached"
+    assert kvc.reclaims(ref, 100 * mib, 2 * mib)["count"] == 0
+    # scarce at both ends: the budget was full before the fall and after the rise
+    slack = samples({"a": 30 * mib, "b": 40 * mib}, {"a": 10 * mib, "b": 40 * mib}, {"a": 10 * mib, "b": 85 * mib})
+    assert kvc.reclaims(slack, 100 * mib, 2 * mib)["count"] == 0
 
 
 # --- oracle and verdict ---------------------------------------------------------------------
@@ -234,6 +260,9 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         soak.main(["--models", "qwen2-tiny", "--out", str(tmp_path / "r.json")])
     assert exc.value.code == 2 and "two or three models" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        soak.main(["--max-cached-tokens", "6144", "--out", str(tmp_path / "r.json")])
+    assert exc.value.code == 2 and "--max-cached-tokens must be from 0 to below --floor-tokens" in capsys.readouterr().err
     assert soak.main(["--rebuild", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
     assert "no journal" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
@@ -252,13 +281,13 @@ def fake_env(tmp_path, monkeypatch):
     shm.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(tree.parent))
     monkeypatch.setenv("SOAK_FAKE_SHM", str(shm))
-    for var in ("FAKE_WRONG_ON", "FAKE_NOISE", "FAKE_DIE_ON", "FAKE_DIE_AFTER"):
+    for var in ("FAKE_WRONG_ON", "FAKE_NOISE", "FAKE_DIE_ON", "FAKE_DIE_AFTER", "SGLK_REAL_LOG", "KVCACHED_MAX_CACHED_TOKENS"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "out" / "run.json"
     return out, ["--out", str(out), "--shm-dir", str(shm), "--small-catalogue", "--clients", "2",
                  "--burst-clients", "2", "--max-new-tokens", "4", "--sample-every", "0.2", "--progress-every", "2",
                  "--restart-timeout", "20", "--ready-timeout", "20", "--max-total-tokens", "4096",
-                 "--floor-tokens", "800", "--ref-duration", "2", "--burst-period", "3", "--request-timeout", "20"]
+                 "--floor-tokens", "800", "--max-cached-tokens", "400", "--budget-fraction", "0.3", "--ref-duration", "2", "--burst-period", "3", "--request-timeout", "20"]
 
 
 def wait_done(status: Path, seconds: float) -> dict:
@@ -283,6 +312,12 @@ def test_a_detached_run_passes_with_every_fault_and_says_so(fake_env):
     assert report["finished"] and report["requests"] > 100 and report["host_hit_tokens"] > 0
     assert report["mismatches"] == 0 and report["crashes"] == 0 and report["errors"] == 0
     assert report["reclaims"] > 0 and report["reclaim_pairs"] and set(report["reclaim_pairs"]) <= {"s0->s1", "s1->s0"}
+    assert 0 < report["budget"]["mapped_max_bytes"] and report["budget"]["bytes"] == report["config"]["budget_bytes"]
+    launched = [json.loads(line) for line in out.with_name("run.events.jsonl").read_text().splitlines()
+                if '"launched"' in line]
+    assert {e["server"]: e["env"].get("KVCACHED_MAX_CACHED_TOKENS") for e in launched if e["kvcached"]} == {
+        "s0": "400", "s1": "400", "ref-kvcached-qwen2-tiny": "400", "ref-kvcached-deepseek-v2-tiny": "400"}
+    assert "sgl_kernel_ops" not in report      # SGLK_REAL_LOG unset: not on sglang-kernel's recorder
     servers = {s["server"]: s for s in report["servers"]}
     assert set(servers) == {"s0", "s1", "ref-native-qwen2-tiny", "ref-kvcached-qwen2-tiny",
                             "ref-native-deepseek-v2-tiny", "ref-kvcached-deepseek-v2-tiny"}
@@ -470,3 +505,14 @@ def test_a_failed_solo_request_is_no_reference():
     events.insert(events.index(next(e for e in events if e.get("role") == "solo")), failed_solo)
     o = verdict.oracle(events)
     assert o["references"] == 2 and o["mismatches"] == 0
+
+
+def test_the_report_carries_the_sgl_kernel_ops_the_run_recorded():
+    """On sglang-kernel's real ops (SGLK_REAL_LOG set) the run journals which ops ran; the
+    report keeps the last record, and without one says nothing of them."""
+    ops = {"type": "sgl_kernel_ops", "t": 9, "ops_called_real": ["rmsnorm"], "processes_per_op": {"rmsnorm": 2},
+           "ops_on_stand_in": []}
+    report = verdict.summarize(journal_of(ops))
+    assert report["sgl_kernel_ops"] == {"ops_called_real": ["rmsnorm"], "processes_per_op": {"rmsnorm": 2},
+                                        "ops_on_stand_in": []}
+    assert "sgl_kernel_ops" not in verdict.summarize(journal_of())

@@ -3,10 +3,14 @@
 Answers /health_generate, /flush_cache and streamed /generate like SGLang 0.5.20 (SSE
 chunks with cumulative output_ids, the last one with meta_info: completion_tokens,
 cached_tokens, cached_tokens_details). Greedy tokens are a function of the prompt. A prompt
-seen before is a device hit, or a host hit once evicted from the device; the device holds
-what the kvcached limit allows (kvcached on: a segment named KVCACHED_IPC_NAME in
-SOAK_FAKE_SHM, three int64 like kvcached's, `used` kept up to date), evicting to a host
-pool of --hicache-ratio times --max-total-tokens. Faults, by environment:
+seen before is a device hit, or a host hit once evicted from the device (to a host pool of
+--hicache-ratio times --max-total-tokens). The device holds the running requests' tokens and
+the cached ones, like kvcached 0.1.6 under SGLang (kvcached on: a segment named
+KVCACHED_IPC_NAME in SOAK_FAKE_SHM, three int64 like kvcached's, `used` kept up to date):
+a finished request's tokens stay cached, at most KVCACHED_MAX_CACHED_TOKENS (kvcached's
+default 16000) of them; a raised limit is taken at once, a lowered one only once the tokens
+in use fit under it (until then the device keeps what it holds and evicts only to make room
+within it). Faults, by environment:
   FAKE_WRONG_ON=<part of the IPC name>  host-hit answers of that server are wrong;
   FAKE_NOISE=1                          an answer given while another request runs differs
                                         at its last token (batching noise, on every server);
@@ -49,8 +53,9 @@ def matches(var):
 
 
 lock = threading.Lock()
-device, host = OrderedDict(), OrderedDict()      # prompt -> tokens, LRU first
-state = {"inflight": 0, "answers": 0}
+device, host = OrderedDict(), OrderedDict()      # cached prompt -> tokens, LRU first
+state = {"inflight": 0, "answers": 0, "running": 0, "mapped": 0}   # tokens: of requests in flight, on mapped pages
+MAX_CACHED = int(os.environ.get("KVCACHED_MAX_CACHED_TOKENS", "16000"))
 
 
 def limit_tokens():
@@ -61,35 +66,67 @@ def limit_tokens():
     return min(args.max_total_tokens, total // BYTES_PER_TOKEN)
 
 
+def in_use():
+    return sum(device.values()) + state["running"]
+
+
 def publish():
+    """Write the bytes in use. Pages are mapped as the use grows and given back as it falls,
+    except while the use stands above a lowered limit: then the freed tokens stay on pages
+    still mapped (kvcached's deferred shrink)."""
     if elastic:
-        used = sum(device.values()) * BYTES_PER_TOKEN
+        use = in_use()
+        if use > state["mapped"] or use <= limit_tokens():
+            state["mapped"] = use
         with open(segment, "r+b") as f:
             total = RECORD.unpack(f.read(RECORD.size))[0]
             f.seek(0)
-            f.write(RECORD.pack(total, used, 0))
+            f.write(RECORD.pack(total, state["mapped"] * BYTES_PER_TOKEN, 0))
 
 
-def lookup(ids):
-    """(device hit, host hit) tokens, and the prompt cached on the device after."""
+def evict_to(tokens):
+    """Cached tokens, oldest first, to the host pool until the device holds `tokens` at most:
+    token by token, like the radix tree (a prompt partly evicted keeps the rest)."""
+    while device and in_use() > tokens:
+        old = next(iter(device))
+        excess = in_use() - tokens
+        if device[old] > excess:
+            device[old] -= excess
+            break
+        host[old] = len(old)
+        del device[old]
+    while sum(host.values()) > args.hicache_ratio * args.max_total_tokens:
+        host.popitem(last=False)
+
+
+def start(ids):
+    """A request begins: (device hit, host hit) tokens; its prompt is in use until it ends."""
     key = tuple(ids)
     with lock:
         dev = hst = 0
+        room = max(limit_tokens(), in_use())     # a lowered limit waits until the use fits under it
         if key in device:
-            device.move_to_end(key)
             dev = len(ids) - 1
+            del device[key]
         elif key in host:
             hst = len(ids) - 1
             del host[key]
-        device[key] = len(ids)
-        cap = limit_tokens()
-        while sum(device.values()) > cap and len(device) > 1:
-            old, n = device.popitem(last=False)
-            host[old] = n
-        while sum(host.values()) > args.hicache_ratio * args.max_total_tokens:
-            host.popitem(last=False)
+        state["running"] += len(ids)
+        evict_to(room)
         publish()
     return dev, hst
+
+
+def finish(ids):
+    """A request ends: its prompt is cached, the cache kept under KVCACHED_MAX_CACHED_TOKENS."""
+    with lock:
+        state["running"] -= len(ids)
+        device[tuple(ids)] = len(ids)
+        while device and sum(device.values()) > MAX_CACHED:
+            old, n = device.popitem(last=False)
+            host[old] = n
+        evict_to(args.max_total_tokens)
+        publish()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -139,7 +176,19 @@ class Handler(BaseHTTPRequestHandler):
     def generate(self, req, crowded):
         ids = req["input_ids"]
         n = req["sampling_params"]["max_new_tokens"]
-        dev, hst = lookup(ids)
+        dev, hst = start(ids)
+        try:
+            self.stream(ids, n, dev, hst, crowded)
+        finally:
+            finish(ids)
+        with lock:
+            state["answers"] += 1
+            die = matches("FAKE_DIE_ON") and state["answers"] >= int(os.environ.get("FAKE_DIE_AFTER", "5"))
+        if die:
+            print("RuntimeError: fake scheduler crash", flush=True)
+            os._exit(1)
+
+    def stream(self, ids, n, dev, hst, crowded):
         out = [(sum(ids) * 31 + i) % 1000 for i in range(n)]
         if hst and matches("FAKE_WRONG_ON"):
             out[min(3, n - 1)] += 1
@@ -157,12 +206,6 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
-        with lock:
-            state["answers"] += 1
-            die = matches("FAKE_DIE_ON") and state["answers"] >= int(os.environ.get("FAKE_DIE_AFTER", "5"))
-        if die:
-            print("RuntimeError: fake scheduler crash", flush=True)
-            os._exit(1)
 
 
 ThreadingHTTPServer.daemon_threads = True

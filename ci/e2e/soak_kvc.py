@@ -174,6 +174,11 @@ def mapped(counters: dict) -> int:
     return counters["used"] + counters.get("prealloc", 0)
 
 
+def under_budget(counters: dict) -> bool:
+    """A live shared instance (the unshared references are not under the budget)."""
+    return counters.get("live", True) and counters.get("role", "shared") == "shared"
+
+
 def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.9, window: float = 10.0) -> dict:
     """Pages given back by one instance and mapped by another, from counter samples.
 
@@ -186,16 +191,13 @@ def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.
     matched amount is at least min_bytes (one page bundle), with the instances together
     mapping at least `slack` of the budget before the fall and after the rise (pages were scarce), is
     one reclaim. Returns the count, the bytes moved and, per "giver->taker", the bytes."""
-    def shared(counters: dict) -> bool:
-        return counters.get("live", True) and counters.get("role", "shared") == "shared"
-
     # [t, instance, bytes (left to match), what the instances mapped: before a fall, after a rise]
     falls, rises = [], []
     for before, after in zip(samples, samples[1:]):
         a, b = before["instances"], after["instances"]
-        common = [n for n in a if n in b and shared(a[n]) and shared(b[n])]
-        total_before = sum(mapped(c) for c in a.values() if shared(c))
-        total_after = sum(mapped(c) for c in b.values() if shared(c))
+        common = [n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])]
+        total_before = sum(mapped(c) for c in a.values() if under_budget(c))
+        total_after = sum(mapped(c) for c in b.values() if under_budget(c))
         for n in common:
             delta = mapped(b[n]) - mapped(a[n])
             if delta > 0:

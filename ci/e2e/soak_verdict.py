@@ -219,9 +219,8 @@ def budget_use(samples: list[dict], budget: int) -> dict:
     """How well the shared instances kept to the budget: the most they mapped together
     (pages in use and in reserve) and the share of samples above the budget. kvcached
     lowers a limit only once the pages in use fit under it, so a budget can be overrun."""
-    from soak_kvc import mapped
-    totals = [sum(mapped(c) for c in s["instances"].values()
-                  if c.get("live", True) and c.get("role", "shared") == "shared") for s in samples]
+    from soak_kvc import mapped, under_budget
+    totals = [sum(mapped(c) for c in s["instances"].values() if under_budget(c)) for s in samples]
     over = sum(1 for t in totals if budget and t > budget)
     return {"bytes": budget, "mapped_max_bytes": max(totals, default=0),
             "over_budget_share": round(over / len(totals), 3) if totals else 0.0}

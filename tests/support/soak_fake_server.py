@@ -125,7 +125,7 @@ def finish(ids):
         while device and sum(device.values()) > MAX_CACHED:
             old, n = device.popitem(last=False)
             host[old] = n
-        evict_to(args.max_total_tokens)
+        evict_to(args.max_total_tokens)     # requests run past the limit leave no more than the pool cached
         publish()
 
 

@@ -22,8 +22,8 @@ budget smaller than what the servers' pools want (`Arbiter`). Every instance kee
 the rest of the budget (the spare) goes to one live instance at a time, in turn (the one
 whose clients are in their burst), so each instance must give pages back for the other to
 map them. A killed instance leaves the rotation and its floor goes to the others until it
-is back. `reclaims` reads the counters only: pages one instance gave back that another
-then mapped while the budget was full.
+is back. `reclaims` reads the counters only: pages kvcached took back from an instance
+above its lowered limit that another then mapped.
 """
 from __future__ import annotations
 
@@ -179,39 +179,37 @@ def under_budget(counters: dict) -> bool:
     return counters.get("live", True) and counters.get("role", "shared") == "shared"
 
 
-def reclaims(samples: list[dict], budget: int, min_bytes: int, slack: float = 0.9, window: float = 10.0) -> dict:
-    """Pages given back by one instance and mapped by another, from counter samples.
+def reclaims(samples: list[dict], min_bytes: int, window: float = 10.0) -> dict:
+    """Pages the budget took from one instance and another then mapped, from counter samples.
 
-    samples: {"t": seconds, "instances": {name: {"used": bytes, "prealloc": bytes,
-    "live": bool, "role": str}}} in time order; instances of another role than "shared"
-    (the unshared references) are left out. Between two samples each live instance's mapped
-    bytes (`mapped`) rise or fall. A fall is matched with other instances' rises less than
-    `window` s before or after it (the order varies: a raised limit is taken at once, a lowered
-    one once the pages in use fit under it), each rise matched once, oldest first; a fall whose
-    matched amount is at least min_bytes (one page bundle), with the instances together
-    mapping at least `slack` of the budget before the fall and after the rise (pages were scarce), is
-    one reclaim. Returns the count, the bytes moved and, per "giver->taker", the bytes."""
-    # [t, instance, bytes (left to match), what the instances mapped: before a fall, after a rise]
-    falls, rises = [], []
+    samples: {"t": seconds, "instances": {name: {"limit": bytes, "used": bytes, "prealloc":
+    bytes, "live": bool, "role": str}}} in time order; instances of another role than
+    "shared" (the unshared references) are left out. Between two samples each live
+    instance's mapped bytes (`mapped`) rise or fall. A fall is forced when the instance had
+    mapped more than the limit it has after the fall: the arbiter lowered its limit and
+    kvcached took the pages back (a fall under the limit is the instance's own shrinkage,
+    not a reclaim). A forced fall is matched with other instances' rises less than `window`
+    s before or after it (the order varies: a raised limit is taken at once, a lowered one
+    once the pages in use fit under it), each rise matched once, oldest first; a forced fall
+    whose matched amount is at least min_bytes (one page bundle) is one reclaim. Returns the
+    count, the bytes moved and, per "giver->taker", the bytes."""
+    falls, rises = [], []            # [t, instance, bytes (left to match)]
     for before, after in zip(samples, samples[1:]):
         a, b = before["instances"], after["instances"]
-        common = [n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])]
-        total_before = sum(mapped(c) for c in a.values() if under_budget(c))
-        total_after = sum(mapped(c) for c in b.values() if under_budget(c))
-        for n in common:
+        for n in (n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])):
             delta = mapped(b[n]) - mapped(a[n])
             if delta > 0:
-                rises.append([after["t"], n, delta, total_after])
-            elif delta < 0:
-                falls.append([after["t"], n, -delta, total_before])
+                rises.append([after["t"], n, delta])
+            elif delta < 0 and mapped(a[n]) > b[n]["limit"]:
+                falls.append([after["t"], n, -delta])
     count, moved, pairs = 0, 0, {}
-    for t, giver, amount, total in falls:
+    for t, giver, amount in falls:
         takes = []                   # (rise, bytes): kept only if the fall is a reclaim
         for rise in rises:
             left = amount - sum(n for _, n in takes)
             if not left:
                 break
-            if rise[1] != giver and rise[2] and abs(rise[0] - t) <= window and min(total, rise[3]) >= slack * budget:
+            if rise[1] != giver and rise[2] and abs(rise[0] - t) <= window:
                 takes.append((rise, min(left, rise[2])))
         matched = sum(n for _, n in takes)
         if matched < min_bytes:

@@ -154,7 +154,7 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
     samples = [e for e in events if e.get("type") == "sample"]
     budget_set = next((e.get("t", 0) for e in events if e.get("type") == "budget"), float("inf"))
     budget = config.get("budget_bytes") or 0
-    moved = count_reclaims(samples, budget, config.get("reclaim_min_bytes", 1)) if samples and budget else \
+    moved = count_reclaims(samples, config.get("reclaim_min_bytes", 1)) if samples and budget else \
         {"count": 0, "bytes": 0, "pairs": {}}
     shared = by_role.get("shared", [])
     phases = {e["phase"]: e for e in events if e.get("type") == "phase" and e["event"] == "end"}

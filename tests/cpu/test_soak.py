@@ -164,53 +164,67 @@ def test_the_budget_keeps_floors_and_gives_the_spare_to_the_burst(tmp_path):
     assert kvc.read_segment(tmp_path / "b")[0] == 2000
 
 
-def samples(*rows, budget_used=True):
-    return [{"t": i, "instances": {n: {"used": u, "prealloc": 0, "live": True, "role": "shared"}
-                                   for n, u in row.items()}}
-            for i, row in enumerate(rows)]
+def samples(*rows, limits=None):
+    """Counter samples, one per row ({name: mapped bytes}); limits: {name: limit} for every
+    sample, or a list of them, one per row (no limit: the instance is under it)."""
+    limits = limits if isinstance(limits, list) else [limits or {}] * len(rows)
+    return [{"t": i, "instances": {n: {"limit": lim.get(n, 1 << 40), "used": u, "prealloc": 0, "live": True,
+                                       "role": "shared"} for n, u in row.items()}}
+            for i, (row, lim) in enumerate(zip(rows, limits))]
 
 
-def test_reclaims_count_pages_one_gave_back_and_another_took():
-    mib = 1 << 20
-    moves = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib},
-                    {"a": 40 * mib, "b": 60 * mib}, {"a": 70 * mib, "b": 30 * mib})
-    r = kvc.reclaims(moves, budget=100 * mib, min_bytes=2 * mib)
-    assert r["count"] == 2 and r["bytes"] == 50 * mib
-    assert r["pairs"] == {"a->b": 20 * mib, "b->a": 30 * mib}
-    # plenty of room (the budget was far from full): no reclaim, only growth and shrinkage
-    assert kvc.reclaims(moves, budget=400 * mib, min_bytes=2 * mib)["count"] == 0
+MIB = 1 << 20
+
+
+def test_reclaims_count_pages_the_budget_took_from_one_and_another_mapped():
+    mib = MIB
+    rows = ({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib},
+            {"a": 40 * mib, "b": 60 * mib}, {"a": 70 * mib, "b": 30 * mib})
+    # a's limit lowered to 40 MiB, then b's to 30 MiB: each fall was forced
+    limits = [{"a": 40 * mib, "b": 60 * mib}] * 3 + [{"a": 70 * mib, "b": 30 * mib}]
+    r = kvc.reclaims(samples(*rows, limits=limits), min_bytes=2 * mib)
+    assert r == {"count": 2, "bytes": 50 * mib, "pairs": {"a->b": 20 * mib, "b->a": 30 * mib}}
+    # the same moves under limits they never reached: each instance shrank of its own accord
+    assert kvc.reclaims(samples(*rows), min_bytes=2 * mib)["count"] == 0
+    # a limit lowered but still above what the instance mapped forces nothing
+    roomy = [{"a": 60 * mib, "b": 60 * mib}] * 3 + [{"a": 70 * mib, "b": 60 * mib}]
+    assert kvc.reclaims(samples(*rows, limits=roomy), min_bytes=2 * mib)["count"] == 0
     # a move under one page is not counted; nor are an instance's own ups and downs
-    assert kvc.reclaims(samples({"a": 99 * mib, "b": 1}, {"a": 98 * mib, "b": mib}), 100 * mib, 2 * mib)["count"] == 0
-    assert kvc.reclaims(samples({"a": 100 * mib}, {"a": 50 * mib}, {"a": 100 * mib}), 100 * mib, 2 * mib)["count"] == 0
+    small = samples({"a": 99 * mib, "b": 1}, {"a": 98 * mib, "b": mib}, limits={"a": 98 * mib})
+    assert kvc.reclaims(small, 2 * mib)["count"] == 0
+    alone = samples({"a": 100 * mib}, {"a": 50 * mib}, {"a": 100 * mib}, limits={"a": 50 * mib})
+    assert kvc.reclaims(alone, 2 * mib)["count"] == 0
     # a dead instance's stale counters give nothing back
-    dead = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib})
+    dead = samples(*rows[:2], limits=limits[:2])
     dead[1]["instances"]["a"]["live"] = False
-    assert kvc.reclaims(dead, 100 * mib, 2 * mib)["count"] == 0
+    assert kvc.reclaims(dead, 2 * mib)["count"] == 0
 
 
 def test_reclaims_match_a_rise_before_or_after_the_fall_within_the_window():
-    mib = 1 << 20
+    mib = MIB
+    forced = {"a": 50 * mib}
     # a raised limit is taken at once (b rises first), the lowered one waits for the pages in
     # use to fit (a falls three samples later): one reclaim
     later = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 60 * mib, "b": 50 * mib}, {"a": 60 * mib, "b": 50 * mib},
-                    {"a": 60 * mib, "b": 50 * mib}, {"a": 50 * mib, "b": 50 * mib})
-    assert kvc.reclaims(later, 100 * mib, 2 * mib) == {"count": 1, "bytes": 10 * mib, "pairs": {"a->b": 10 * mib}}
-    assert kvc.reclaims(later, 100 * mib, 2 * mib, window=2)["count"] == 0
+                    {"a": 60 * mib, "b": 50 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=forced)
+    assert kvc.reclaims(later, 2 * mib) == {"count": 1, "bytes": 10 * mib, "pairs": {"a->b": 10 * mib}}
+    assert kvc.reclaims(later, 2 * mib, window=2)["count"] == 0
+    # the limit is read after the fall: lowered in the same interval, the fall is forced
+    same = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=[{}, forced])
+    assert kvc.reclaims(same, 2 * mib)["count"] == 1
     # each rise is taken once: a second fall has nothing left to match
-    twice = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, {"a": 40 * mib, "b": 50 * mib})
-    assert kvc.reclaims(twice, 100 * mib, 2 * mib)["bytes"] == 10 * mib
+    twice = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, {"a": 40 * mib, "b": 50 * mib},
+                    limits={"a": 40 * mib})
+    assert kvc.reclaims(twice, 2 * mib)["bytes"] == 10 * mib
     # pages kept in reserve are mapped too: a fall of used bytes into the reserve moves nothing
-    reserve = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib})
+    reserve = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=forced)
     reserve[1]["instances"]["a"]["prealloc"] = 10 * mib
-    assert kvc.reclaims(reserve, 100 * mib, 2 * mib)["count"] == 0
+    assert kvc.reclaims(reserve, 2 * mib)["count"] == 0
     # the unshared references are not under the budget
-    ref = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib})
+    ref = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib}, limits={"a": 40 * mib})
     for row in ref:
         row["instances"]["b"]["role"] = "ref-kvcached"
-    assert kvc.reclaims(ref, 100 * mib, 2 * mib)["count"] == 0
-    # scarce at both ends: the budget was full before the fall and after the rise
-    slack = samples({"a": 30 * mib, "b": 40 * mib}, {"a": 10 * mib, "b": 40 * mib}, {"a": 10 * mib, "b": 85 * mib})
-    assert kvc.reclaims(slack, 100 * mib, 2 * mib)["count"] == 0
+    assert kvc.reclaims(ref, 2 * mib)["count"] == 0
 
 
 # --- oracle and verdict ---------------------------------------------------------------------

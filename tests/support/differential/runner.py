@@ -203,6 +203,8 @@ class Case:
             if needs_missing_aot_op(error):
                 entry["not_run"] = "needs an sgl_kernel (AOT) op this machine does not have"
             self.debug[name] = probe.clean_message(traceback.format_exc(limit=-4), self.trees)
+            if self.device == "cuda":  # a sticky CUDA error may kill the runner before --out is written
+                print(f"{self.id} {name}: {self.debug[name]}", file=sys.stderr, flush=True)
         if self.roots and state:
             entry["state"] = probe.snapshot(self.roots, layout=layout, hashes=not self.scenario.sizes_only)
         self.debug.setdefault("seconds", {})[name] = round(time.monotonic() - started, 3)

@@ -23,7 +23,7 @@ the rest of the budget (the spare) goes to one live instance at a time, in turn 
 whose clients are in their burst), so each instance must give pages back for the other to
 map them. A killed instance leaves the rotation and its floor goes to the others until it
 is back. `reclaims` reads the counters only: pages kvcached took back from an instance
-above its lowered limit that another then mapped.
+above its lowered limit that another then mapped above its own earlier limit.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import fcntl
 import os
 import re
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,24 +185,35 @@ def reclaims(samples: list[dict], min_bytes: int, window: float = 10.0) -> dict:
 
     samples: {"t": seconds, "instances": {name: {"limit": bytes, "used": bytes, "prealloc":
     bytes, "live": bool, "role": str}}} in time order; instances of another role than
-    "shared" (the unshared references) are left out. Between two samples each live
-    instance's mapped bytes (`mapped`) rise or fall. A fall is forced when the instance had
-    mapped more than the limit it has after the fall: the arbiter lowered its limit and
-    kvcached took the pages back (a fall under the limit is the instance's own shrinkage,
-    not a reclaim). A forced fall is matched with other instances' rises less than `window`
-    s before or after it (the order varies: a raised limit is taken at once, a lowered one
-    once the pages in use fit under it), each rise matched once, oldest first; a forced fall
-    whose matched amount is at least min_bytes (one page bundle) is one reclaim. Returns the
-    count, the bytes moved and, per "giver->taker", the bytes."""
+    "shared" (the unshared references) are left out. The arbiter writes the limits before
+    it reads the counters, so the limit read with a sample is the one in force until the
+    next. Between two samples each live instance's mapped bytes (`mapped`) rise or fall.
+    Of a fall, the part above the limit in force is forced: kvcached took those pages back
+    for the budget (the rest is the instance's own shrinkage). Of a rise, the part above
+    the instance's lowest limit of the `window` s before is taken: it could map those pages
+    only because the budget moved to it. A forced part is matched with other instances'
+    taken parts less than `window` s before or after it (the order varies: a raised limit
+    is taken at once, a lowered one once the pages in use fit under it), each taken part
+    matched once, oldest first; a forced part whose matched amount is at least min_bytes
+    (one page bundle) is one reclaim. Returns the count, the bytes moved and, per
+    "giver->taker", the bytes."""
     falls, rises = [], []            # [t, instance, bytes (left to match)]
+    limits: dict[str, deque] = {}    # instance -> (t, limit in force from t), the last `window` s
     for before, after in zip(samples, samples[1:]):
         a, b = before["instances"], after["instances"]
+        for n, c in a.items():
+            recent = limits.setdefault(n, deque())
+            recent.append((before["t"], c["limit"]))
+            while recent[0][0] < after["t"] - window:
+                recent.popleft()
         for n in (n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])):
-            delta = mapped(b[n]) - mapped(a[n])
-            if delta > 0:
-                rises.append([after["t"], n, delta])
-            elif delta < 0 and mapped(a[n]) > b[n]["limit"]:
-                falls.append([after["t"], n, -delta])
+            was, now = mapped(a[n]), mapped(b[n])
+            taken = now - max(was, min(lim for _, lim in limits[n]))
+            forced = min(was - now, was - a[n]["limit"])
+            if taken > 0:
+                rises.append([after["t"], n, taken])
+            elif forced > 0:
+                falls.append([after["t"], n, forced])
     count, moved, pairs = 0, 0, {}
     for t, giver, amount in falls:
         takes = []                   # (rise, bytes): kept only if the fall is a reclaim

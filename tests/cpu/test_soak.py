@@ -164,67 +164,89 @@ def test_the_budget_keeps_floors_and_gives_the_spare_to_the_burst(tmp_path):
     assert kvc.read_segment(tmp_path / "b")[0] == 2000
 
 
-def samples(*rows, limits=None):
-    """Counter samples, one per row ({name: mapped bytes}); limits: {name: limit} for every
-    sample, or a list of them, one per row (no limit: the instance is under it)."""
-    limits = limits if isinstance(limits, list) else [limits or {}] * len(rows)
-    return [{"t": i, "instances": {n: {"limit": lim.get(n, 1 << 40), "used": u, "prealloc": 0, "live": True,
-                                       "role": "shared"} for n, u in row.items()}}
-            for i, (row, lim) in enumerate(zip(rows, limits))]
+def samples(*rows):
+    """Counter samples, one per row: {name: (mapped bytes, limit read with them)}."""
+    return [{"t": i, "instances": {n: {"limit": lim, "used": m, "prealloc": 0, "live": True, "role": "shared"}
+                                   for n, (m, lim) in row.items()}}
+            for i, row in enumerate(rows)]
 
 
 MIB = 1 << 20
 
 
 def test_reclaims_count_pages_the_budget_took_from_one_and_another_mapped():
-    mib = MIB
-    rows = ({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib},
-            {"a": 40 * mib, "b": 60 * mib}, {"a": 70 * mib, "b": 30 * mib})
-    # a's limit lowered to 40 MiB, then b's to 30 MiB: each fall was forced
-    limits = [{"a": 40 * mib, "b": 60 * mib}] * 3 + [{"a": 70 * mib, "b": 30 * mib}]
-    r = kvc.reclaims(samples(*rows, limits=limits), min_bytes=2 * mib)
-    assert r == {"count": 2, "bytes": 50 * mib, "pairs": {"a->b": 20 * mib, "b->a": 30 * mib}}
-    # the same moves under limits they never reached: each instance shrank of its own accord
-    assert kvc.reclaims(samples(*rows), min_bytes=2 * mib)["count"] == 0
-    # a limit lowered but still above what the instance mapped forces nothing
-    roomy = [{"a": 60 * mib, "b": 60 * mib}] * 3 + [{"a": 70 * mib, "b": 60 * mib}]
-    assert kvc.reclaims(samples(*rows, limits=roomy), min_bytes=2 * mib)["count"] == 0
+    m = MIB
+    rows = [{"a": (60 * m, 60 * m), "b": (40 * m, 40 * m)},
+            {"a": (60 * m, 40 * m), "b": (40 * m, 60 * m)},    # 20 MiB of budget to b
+            {"a": (40 * m, 40 * m), "b": (60 * m, 60 * m)},    # a gave them back, b took them
+            {"a": (40 * m, 70 * m), "b": (60 * m, 30 * m)},    # 30 MiB back to a
+            {"a": (70 * m, 70 * m), "b": (30 * m, 30 * m)}]
+    switches = samples(*rows)
+    assert kvc.reclaims(switches, 2 * m) == {"count": 2, "bytes": 50 * m,
+                                            "pairs": {"a->b": 20 * m, "b->a": 30 * m}}
+    # the same moves under limits never reached: each shrank and grew of its own accord
+    roomy = samples(*({n: (mapped, 100 * m) for n, (mapped, _) in row.items()} for row in rows))
+    assert kvc.reclaims(roomy, 2 * m)["count"] == 0
+    # a limit lowered only after the fall (read with the sample that shows it) forced nothing
+    late = samples({"a": (60 * m, 60 * m), "b": (40 * m, 40 * m)}, {"a": (40 * m, 40 * m), "b": (60 * m, 60 * m)})
+    assert kvc.reclaims(late, 2 * m)["count"] == 0
+    # of a fall only the part above the limit was forced; the rest is the instance's own
+    part = samples({"a": (60 * m, 50 * m), "b": (40 * m, 40 * m)}, {"a": (30 * m, 50 * m), "b": (70 * m, 70 * m)})
+    assert kvc.reclaims(part, 2 * m) == {"count": 1, "bytes": 10 * m, "pairs": {"a->b": 10 * m}}
+    # of a rise only the part above the taker's lowest limit of the window needed the move
+    own = samples({"a": (60 * m, 60 * m), "b": (10 * m, 30 * m)}, {"a": (60 * m, 40 * m), "b": (10 * m, 50 * m)},
+                  {"a": (40 * m, 40 * m), "b": (35 * m, 50 * m)})
+    assert kvc.reclaims(own, 2 * m) == {"count": 1, "bytes": 5 * m, "pairs": {"a->b": 5 * m}}
     # a move under one page is not counted; nor are an instance's own ups and downs
-    small = samples({"a": 99 * mib, "b": 1}, {"a": 98 * mib, "b": mib}, limits={"a": 98 * mib})
-    assert kvc.reclaims(small, 2 * mib)["count"] == 0
-    alone = samples({"a": 100 * mib}, {"a": 50 * mib}, {"a": 100 * mib}, limits={"a": 50 * mib})
-    assert kvc.reclaims(alone, 2 * mib)["count"] == 0
-    # a dead instance's stale counters give nothing back
-    dead = samples(*rows[:2], limits=limits[:2])
-    dead[1]["instances"]["a"]["live"] = False
-    assert kvc.reclaims(dead, 2 * mib)["count"] == 0
+    small = samples({"a": (99 * m, 98 * m), "b": (1, 1)}, {"a": (98 * m, 98 * m), "b": (m, m)})
+    assert kvc.reclaims(small, 2 * m)["count"] == 0
+    alone = samples({"a": (100 * m, 50 * m)}, {"a": (50 * m, 50 * m)}, {"a": (100 * m, 100 * m)})
+    assert kvc.reclaims(alone, 2 * m)["count"] == 0
+    # a rise within the taker's own room takes nothing, and hides no other taker's
+    three = samples({"a": (60 * m, 40 * m), "b": (10 * m, 50 * m), "c": (0, 0)},
+                    {"a": (40 * m, 40 * m), "b": (30 * m, 50 * m), "c": (20 * m, 20 * m)})
+    assert kvc.reclaims(three, 2 * m) == {"count": 1, "bytes": 20 * m, "pairs": {"a->c": 20 * m}}
+    # a dead instance's stale counters give nothing back, before or after a restart
+    for dead_at in (1, 2):
+        dead = samples(*rows[:3])
+        dead[dead_at]["instances"]["a"]["live"] = False
+        assert kvc.reclaims(dead, 2 * m)["count"] == 0
 
 
 def test_reclaims_match_a_rise_before_or_after_the_fall_within_the_window():
-    mib = MIB
-    forced = {"a": 50 * mib}
+    m = MIB
     # a raised limit is taken at once (b rises first), the lowered one waits for the pages in
     # use to fit (a falls three samples later): one reclaim
-    later = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 60 * mib, "b": 50 * mib}, {"a": 60 * mib, "b": 50 * mib},
-                    {"a": 60 * mib, "b": 50 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=forced)
-    assert kvc.reclaims(later, 2 * mib) == {"count": 1, "bytes": 10 * mib, "pairs": {"a->b": 10 * mib}}
-    assert kvc.reclaims(later, 2 * mib, window=2)["count"] == 0
-    # the limit is read after the fall: lowered in the same interval, the fall is forced
-    same = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=[{}, forced])
-    assert kvc.reclaims(same, 2 * mib)["count"] == 1
+    later = samples({"a": (60 * m, 50 * m), "b": (40 * m, 40 * m)}, {"a": (60 * m, 50 * m), "b": (50 * m, 50 * m)},
+                    {"a": (60 * m, 50 * m), "b": (50 * m, 50 * m)}, {"a": (60 * m, 50 * m), "b": (50 * m, 50 * m)},
+                    {"a": (50 * m, 50 * m), "b": (50 * m, 50 * m)})
+    assert kvc.reclaims(later, 2 * m) == {"count": 1, "bytes": 10 * m, "pairs": {"a->b": 10 * m}}
+    assert kvc.reclaims(later, 2 * m, window=3)["count"] == 1 and kvc.reclaims(later, 2 * m, window=2)["count"] == 0
+    assert kvc.reclaims(later, 10 * m)["count"] == 1 and kvc.reclaims(later, 10 * m + 1)["count"] == 0
+    # the oldest rise is matched first
+    order = samples({"a": (60 * m, 50 * m), "b": (0, 0), "c": (0, 0)},
+                    {"a": (60 * m, 50 * m), "b": (10 * m, 10 * m), "c": (0, 0)},
+                    {"a": (50 * m, 50 * m), "b": (10 * m, 10 * m), "c": (10 * m, 10 * m)})
+    assert kvc.reclaims(order, 2 * m)["pairs"] == {"a->b": 10 * m}
     # each rise is taken once: a second fall has nothing left to match
-    twice = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, {"a": 40 * mib, "b": 50 * mib},
-                    limits={"a": 40 * mib})
-    assert kvc.reclaims(twice, 2 * mib)["bytes"] == 10 * mib
+    twice = samples({"a": (60 * m, 40 * m), "b": (40 * m, 40 * m)}, {"a": (50 * m, 40 * m), "b": (50 * m, 60 * m)},
+                    {"a": (40 * m, 40 * m), "b": (50 * m, 60 * m)})
+    assert kvc.reclaims(twice, 2 * m)["bytes"] == 10 * m
     # pages kept in reserve are mapped too: a fall of used bytes into the reserve moves nothing
-    reserve = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 50 * mib, "b": 50 * mib}, limits=forced)
-    reserve[1]["instances"]["a"]["prealloc"] = 10 * mib
-    assert kvc.reclaims(reserve, 2 * mib)["count"] == 0
+    reserve = samples({"a": (60 * m, 50 * m), "b": (40 * m, 40 * m)}, {"a": (50 * m, 50 * m), "b": (50 * m, 60 * m)})
+    reserve[1]["instances"]["a"]["prealloc"] = 10 * m
+    assert kvc.reclaims(reserve, 2 * m)["count"] == 0
     # the unshared references are not under the budget
-    ref = samples({"a": 60 * mib, "b": 40 * mib}, {"a": 40 * mib, "b": 60 * mib}, limits={"a": 40 * mib})
+    ref = samples({"a": (60 * m, 40 * m), "b": (40 * m, 40 * m)}, {"a": (40 * m, 40 * m), "b": (60 * m, 60 * m)})
     for row in ref:
         row["instances"]["b"]["role"] = "ref-kvcached"
-    assert kvc.reclaims(ref, 2 * mib)["count"] == 0
+    assert kvc.reclaims(ref, 2 * m)["count"] == 0
+    # a limit long raised is the taker's own room: after `window` s its rise needs no move
+    stale = samples({"a": (60 * m, 60 * m), "b": (40 * m, 40 * m)},
+                    *[{"a": (60 * m, 60 * m), "b": (40 * m, 60 * m)}] * 3,          # b's limit raised
+                    {"a": (60 * m, 40 * m), "b": (40 * m, 60 * m)}, {"a": (40 * m, 40 * m), "b": (60 * m, 60 * m)})
+    assert kvc.reclaims(stale, 2 * m)["count"] == 1
+    assert kvc.reclaims(stale, 2 * m, window=2)["count"] == 0
 
 
 # --- oracle and verdict ---------------------------------------------------------------------

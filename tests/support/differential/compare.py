@@ -2,7 +2,8 @@
 
 Everything must be equal: the cases and their steps, each step's result or exception
 (type and message), sizes, the layout of every tensor, the bytes of every storage after
-every step. One allowance: inside a recorded state (scalars, tensors, hashes, pointer
+every step. A step whose emulated kernel reached outside an allocation fails its case on
+either tree. One allowance: inside a recorded state (scalars, tensors, hashes, pointer
 tables), the patched tree may have entries the pristine one lacks (an attribute or
 table the series adds); they are listed, not failed. What pristine has must be there
 and equal. The `debug` part (tracebacks, timings) is never compared; it is shown next
@@ -71,6 +72,21 @@ def _debug(case, difference):
     return case.get("debug", {}).get(step, "") if step else ""
 
 
+# emulated_memory.Region.at's message: a kernel reached outside the allocation it was given
+OUT_OF_BOUNDS = "illegal memory access"
+
+
+def _out_of_bounds(case: dict | None, tree: str) -> str | None:
+    """The first step whose kernel reached outside an allocation on the emulators. Never a
+    match, even when both trees do it: on a GPU such a copy corrupts what lies next to the
+    buffer or faults, so the case proves nothing (a geometry the case got wrong, or a bug)."""
+    for step in (case or {}).get("steps", []):
+        message = step.get("error", {}).get("message", "")
+        if OUT_OF_BOUNDS in message:
+            return f"{case['id']}({step['step']}): {tree} copies outside an allocation: {message}"
+    return None
+
+
 def compare(pristine: dict, patched: dict) -> Differences:
     differences = Differences()
     cases_p = {case["id"]: case for case in pristine["cases"]}
@@ -83,7 +99,8 @@ def compare(pristine: dict, patched: dict) -> Differences:
         actual = cases_q.get(case_id)
         if actual is None:
             continue
-        found = _diff(expected, actual, case_id, differences)
+        found = _out_of_bounds(expected, "pristine") or _out_of_bounds(actual, "patched") or \
+            _diff(expected, actual, case_id, differences)
         if found:
             tb_p, tb_q = _debug(expected, found), _debug(actual, found)
             detail = "".join(f"\n    {side} raised at:\n      " + tb.strip().replace("\n", "\n      ")

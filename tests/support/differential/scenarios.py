@@ -250,12 +250,18 @@ def deepseek_v4(ctx):
     """SGLang's DeepSeekV4TokenToKVPool: full-attention, C4 and C128 compressed layers
     (compression ratios 0, 4, 128, 4), SWA ring, C4 indexer and compress states; fp8,
     latent 448 + rope 64, indexer head 128, tree pages of 256, SWA pages of 128."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (DeepSeekV4TokenToKVPool,
+                                                               get_compress_state_ring_size)
 
     page, swa_page = 256, 128
+    swa_size = DEVICE_PAGES * page
+    # The C4 states are addressed by SWA page (HiCache moves them with the SWA indices):
+    # one ring per SWA page, as SGLang's pool configurator sizes them. Fewer rows and
+    # a load into a high SWA page writes past the state buffers (a GPU faults later).
+    c4_state_pool_size = swa_size // swa_page * get_compress_state_ring_size(4)
     kv = DeepSeekV4TokenToKVPool(
-        max_num_reqs=4, swa_size=DEVICE_PAGES * page, c4_size=DEVICE_PAGES * page, c128_size=DEVICE_PAGES * 8,
-        c4_state_pool_size=64, c128_state_pool_size=64, page_size=page, swa_page_size=swa_page, dtype=FP8,
+        max_num_reqs=4, swa_size=swa_size, c4_size=DEVICE_PAGES * page, c128_size=DEVICE_PAGES * 8,
+        c4_state_pool_size=c4_state_pool_size, c128_state_pool_size=64, page_size=page, swa_page_size=swa_page, dtype=FP8,
         c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
         indexer_head_dim=128, layer_num=4, start_layer=0, end_layer=4, device=ctx.device, enable_memory_saver=False,
         compression_ratios=[0, 4, 128, 4])

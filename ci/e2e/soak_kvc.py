@@ -204,7 +204,7 @@ def reclaims(samples: list[dict], min_bytes: int, window: float = 10.0) -> dict:
         for n, c in a.items():
             recent = limits.setdefault(n, deque())
             recent.append((before["t"], c["limit"]))
-            while recent[0][0] < after["t"] - window:
+            while len(recent) > 1 and recent[0][0] < after["t"] - window:   # the one in force stays
                 recent.popleft()
         for n in (n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])):
             was, now = mapped(a[n]), mapped(b[n])

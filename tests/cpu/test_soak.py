@@ -187,6 +187,11 @@ def test_reclaims_count_pages_the_budget_took_from_one_and_another_mapped():
     # the same moves under limits never reached: each shrank and grew of its own accord
     roomy = samples(*({n: (mapped, 100 * m) for n, (mapped, _) in row.items()} for row in rows))
     assert kvc.reclaims(roomy, 2 * m)["count"] == 0
+    # samples further apart than the window (a stalled sampler): the limit in force still counts
+    gap = samples(*rows)
+    for i, sample in enumerate(gap):
+        sample["t"] = 20 * i
+    assert kvc.reclaims(gap, 2 * m, window=45)["count"] == 2 and kvc.reclaims(gap, 2 * m, window=5)["count"] == 0
     # a limit lowered only after the fall (read with the sample that shows it) forced nothing
     late = samples({"a": (60 * m, 60 * m), "b": (40 * m, 40 * m)}, {"a": (40 * m, 40 * m), "b": (60 * m, 60 * m)})
     assert kvc.reclaims(late, 2 * m)["count"] == 0

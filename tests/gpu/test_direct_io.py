@@ -43,9 +43,17 @@ def kv_trips(kind, pool, host, families, layout, trips):
         load=lambda h, d, l: host.load_to_device_per_layer(pool, *direct_indices(host, h, d), l, "direct"),
         seed=9,
     )
+    # On a stream of its own, as SGLang's transfer engine runs every backup and load:
+    # sglang-kernel's batched direct copies (cudaMemcpyBatchAsync) refuse the legacy
+    # default stream ("invalid argument"), and the error they leave pending fails the
+    # next launch, in the next test.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     try:
-        rt.run(trips)
+        with torch.cuda.stream(stream):
+            rt.run(trips)
     finally:
+        torch.cuda.synchronize()
         host.destroy()
     record(test=f"direct io: {kind}", host_layout=layout, io_backend="direct", trips=trips, result="pass")
 

@@ -152,12 +152,15 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
             info["answers_after_restart"] = {"ok": len(later), "differ": sum(r.get("match") is False for r in later),
                                              "checked": sum("match" in r for r in later)}
     samples = [e for e in events if e.get("type") == "sample"]
+    phases = {e["phase"]: e for e in events if e.get("type") == "phase" and e["event"] == "end"}
+    # the budget holds from when it is set to the shared phase's end (the rejoin is after it)
     budget_set = next((e.get("t", 0) for e in events if e.get("type") == "budget"), float("inf"))
+    budget_end = phases.get("shared", {}).get("t", float("inf"))
+    budget_samples = [s for s in samples if budget_set <= s.get("t", 0) <= budget_end]
     budget = config.get("budget_bytes") or 0
-    moved = count_reclaims(samples, config.get("reclaim_min_bytes", 1)) if samples and budget else \
+    moved = count_reclaims(budget_samples, config.get("reclaim_min_bytes", 1)) if budget_samples and budget else \
         {"count": 0, "bytes": 0, "pairs": {}}
     shared = by_role.get("shared", [])
-    phases = {e["phase"]: e for e in events if e.get("type") == "phase" and e["event"] == "end"}
     begun = {e["phase"]: e for e in events if e.get("type") == "phase" and e["event"] == "begin"}
     shared_s = None
     if "shared" in begun:
@@ -188,7 +191,7 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
                     if role in by_role},
         "oracle": verdict,
         "counters": counter_summary(samples),
-        "budget": budget_use([s for s in samples if s.get("t", 0) >= budget_set], budget),
+        "budget": budget_use(budget_samples, budget),
         "finished": any(e.get("type") == "finish" for e in events),
     }
     ops = [e for e in events if e.get("type") == "sgl_kernel_ops"]

@@ -539,6 +539,22 @@ def test_each_check_of_a_finished_run_fails_it_alone():
     assert any("trained-scale plugin did not run" in p for p in problems_of(small))
 
 
+def test_reclaims_are_read_from_the_shared_phase_only():
+    m = MIB
+
+    def sample(t, s0, s1):      # (mapped, limit) of each shared instance
+        return {"type": "sample", "t": t, "instances": {
+            n: {"used": used, "prealloc": 0, "limit": limit, "live": True, "role": "shared"}
+            for n, (used, limit) in (("s0", s0), ("s1", s1))}}
+    move = [sample(3, (60 * m, 60 * m), (40 * m, 40 * m)), sample(4, (60 * m, 40 * m), (40 * m, 60 * m)),
+            sample(5, (40 * m, 40 * m), (60 * m, 60 * m))]
+    budget = {"type": "budget", "t": 2, "budget_bytes": 100 * m, "reclaim_min_bytes": 2 * m}
+    end = {"type": "phase", "phase": "shared", "event": "end", "t": 6}
+    assert verdict.summarize(journal_of(budget, *move, end))["reclaims"] == 1
+    after = verdict.summarize(journal_of(budget, end, *[{**e, "t": e["t"] + 4} for e in move]))
+    assert after["reclaims"] == 0 and after["budget"]["mapped_max_bytes"] < 100 * m
+
+
 def test_a_failed_solo_request_is_no_reference():
     events = journal_of()
     failed_solo = {"type": "request", "role": "solo", "server": "n", "model": "m", "key": "p", "outcome": "error",

@@ -53,8 +53,10 @@ def kv_trips(kind, pool, host, families, layout, trips):
         with torch.cuda.stream(stream):
             rt.run(trips)
     finally:
-        torch.cuda.synchronize()
-        host.destroy()
+        try:
+            torch.cuda.synchronize()
+        finally:
+            host.destroy()
     record(test=f"direct io: {kind}", host_layout=layout, io_backend="direct", trips=trips, result="pass")
 
 

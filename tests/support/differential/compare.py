@@ -2,8 +2,9 @@
 
 Everything must be equal: the cases and their steps, each step's result or exception
 (type and message), sizes, the layout of every tensor, the bytes of every storage after
-every step. A step whose emulated kernel reached outside an allocation fails its case on
-either tree. One allowance: inside a recorded state (scalars, tensors, hashes, pointer
+every step. A step whose emulated kernel would fault on a GPU (a copy outside its
+allocation, a null pointer, a division by zero in the launcher) fails its case on either
+tree. One allowance: inside a recorded state (scalars, tensors, hashes, pointer
 tables), the patched tree may have entries the pristine one lacks (an attribute or
 table the series adds); they are listed, not failed. What pristine has must be there
 and equal. The `debug` part (tracebacks, timings) is never compared; it is shown next
@@ -72,18 +73,20 @@ def _debug(case, difference):
     return case.get("debug", {}).get(step, "") if step else ""
 
 
-# emulated_memory.Region.at's message: a kernel reached outside the allocation it was given
-OUT_OF_BOUNDS = "illegal memory access"
+# The emulators' messages for what a GPU does not refuse but suffers: a copy outside its
+# allocation (emulated_memory.Region.at), a null pointer in a kernel's pointer table
+# (Region.of_address), the launcher's integer division by zero (emulated_aot._indices).
+FAULTS = ("illegal memory access", "null pointer in a kernel pointer table", "integer division by zero")
 
 
-def _out_of_bounds(case: dict | None, tree: str) -> str | None:
-    """The first step whose kernel reached outside an allocation on the emulators. Never a
-    match, even when both trees do it: on a GPU such a copy corrupts what lies next to the
-    buffer or faults, so the case proves nothing (a geometry the case got wrong, or a bug)."""
+def _fault(case: dict | None, tree: str) -> str | None:
+    """The first step whose kernel would fault on a GPU. Never a match, even when both trees
+    do it: there such a copy corrupts memory or kills the process, so the case proves
+    nothing (a geometry the case got wrong, or a bug)."""
     for step in (case or {}).get("steps", []):
         message = step.get("error", {}).get("message", "")
-        if OUT_OF_BOUNDS in message:
-            return f"{case['id']}({step['step']}): {tree} copies outside an allocation: {message}"
+        if any(fault in message for fault in FAULTS):
+            return f"{case['id']}({step['step']}): {tree} would fault on a GPU: {message}"
     return None
 
 
@@ -99,7 +102,7 @@ def compare(pristine: dict, patched: dict) -> Differences:
         actual = cases_q.get(case_id)
         if actual is None:
             continue
-        found = _out_of_bounds(expected, "pristine") or _out_of_bounds(actual, "patched") or \
+        found = _fault(expected, "pristine") or _fault(actual, "patched") or \
             _diff(expected, actual, case_id, differences)
         if found:
             tb_p, tb_q = _debug(expected, found), _debug(actual, found)

@@ -261,7 +261,8 @@ def deepseek_v4(ctx):
     c4_state_pool_size = swa_size // swa_page * get_compress_state_ring_size(4)
     kv = DeepSeekV4TokenToKVPool(
         max_num_reqs=4, swa_size=swa_size, c4_size=DEVICE_PAGES * page, c128_size=DEVICE_PAGES * 8,
-        c4_state_pool_size=c4_state_pool_size, c128_state_pool_size=64, page_size=page, swa_page_size=swa_page, dtype=FP8,
+        c4_state_pool_size=c4_state_pool_size, c128_state_pool_size=64, page_size=page, swa_page_size=swa_page,
+        dtype=FP8,
         c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
         indexer_head_dim=128, layer_num=4, start_layer=0, end_layer=4, device=ctx.device, enable_memory_saver=False,
         compression_ratios=[0, 4, 128, 4])

@@ -80,7 +80,7 @@ test: patched lint-venv
 	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
 	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
-	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu
+	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu tests/upstream
 
 # Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
 # builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.

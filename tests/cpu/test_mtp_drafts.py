@@ -115,7 +115,7 @@ def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, 
     packed = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu",
                  mtp_draft_device_pools=[make(1)])
     assert alone.can_use_write_back_jit and not packed.can_use_write_back_jit
-    assert [run.layer_num for run in packed.strided_device_layers] == [LAYERS, 1]
+    assert [run.layers for run in packed.device_layer_runs] == [slice(0, LAYERS), slice(LAYERS, LAYERS + 1)]
     # The packed pool keeps no staging buffer (device memory) for the path it gave up.
     staging = lambda host: (host.staging_k_buffer, host.staging_v_buffer) if kind == "mha" else (host.staging_buffer,)
     assert all(buffer is not None for buffer in staging(alone))
@@ -172,6 +172,6 @@ def test_npu_pools_with_drafts_are_not_asked_for_pointer_tables(host_modules, mo
     target, draft = npu_pool(LAYERS), npu_pool(1)
     host = host_modules.mha.MHATokenToKVPoolHost(target, 2.0, 0, page, "layer_first", pin_memory=False,
                                                  device="cpu", mtp_draft_device_pools=[draft])
-    assert host.strided_device_layers is None
+    assert host.device_layer_runs is None
     assert host.packed_device_k_data_ptrs is None and host.packed_device_v_data_ptrs is None
     assert len(host.packed_device_k_buffers) == len(host.packed_device_v_buffers) == LAYERS + 1

@@ -122,7 +122,7 @@ def test_dense_pools_are_not_refused(host_modules):
     """The refusals are for strided views only: SGLang's own pools keep every option."""
     dense = mha_pool("native", size=8 * PAGE, page_size=PAGE, layers=2, heads=2, head_dim=64)
     host = host_modules.mha.MHATokenToKVPoolHost(dense, 2.0, 0, PAGE, "page_head", pin_memory=False, device="cpu")
-    assert host.strided_device_layers is None
+    assert host.device_layer_runs is None
 
 
 def test_mla_rows_the_jit_kernel_cannot_take(host_modules):

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-TIERS = ("cpu", "gpu", "e2e")
+TIERS = ("cpu", "gpu", "e2e", "upstream")
 
 
 def test_every_test_file_is_in_exactly_one_tier():

@@ -40,13 +40,17 @@ EXPECTED_TO_FAIL = [
     "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[MHA-flags0]",
     "test_controller.py::test_unserved_layouts_are_refused_when_the_stack_is_built[hybrid-flags4]",
     "test_controller.py::test_host_pools_are_sized_as_natively_through_the_builder[kvcached-contiguous-hicache-size]",
-    "test_copy_kernel_geometry.py::test_mla_rows_get_unroll_2",
-    "test_copy_kernel_geometry.py::test_every_lane_carries_at_least_64_bytes_where_it_can[1152]",
-    "test_copy_kernel_geometry.py::test_mla_transfers_pick_the_unroll_by_batch[one_layer_mla]",
-    "test_copy_kernel_geometry.py::test_every_unroll_a_batch_may_pick_is_built_at_start_up[1152-unrolls0]",
     "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MHA]",
     "test_kernel_wrappers.py::test_staged_write_back_reads_the_device_stride[strided-MLA]",
     "test_kernel_wrappers.py::test_mamba_wrappers_step_device_slots_by_their_stride[strided]",
+    "test_strided_views.py::test_each_stride_gets_its_own_run_of_host_layers",
+    "test_hicache_split.py::test_qwen35_mamba_host_pool_gets_the_slots_native_gives",
+    "upstream/test_hicache_strided_device_rows.py::TestMHAHostPoolStridedDeviceRows::test_strided_views_round_trip_layer_first",
+    "upstream/test_hicache_strided_device_rows.py::TestMLAHostPoolStridedDeviceRows::test_strided_views_round_trip_through_the_staged_write_back",
+    "upstream/test_mamba_host_pool_device_views.py::TestMambaHostPoolDeviceViews::test_strided_slot_views_round_trip_with_their_stride",
+    "upstream/test_hicache_size_split.py::TestSplitHiCacheSize::test_oversized_buffers_take_no_more_than_their_share",
+    "upstream/test_hicache_staged_write_back_stride.py::TestStagedWriteBackStrideArgument::test_each_launch_gets_the_source_stride",
+    "upstream/test_transfer_mamba_slot_stride.py::TestTransferMambaStrideArgument::test_wrappers_pass_the_stride_or_the_item_size",
 ]
 # Native pools (dense views) are served the same with or without the series.
 DENSE_CONTROLS = [
@@ -58,15 +62,20 @@ DENSE_CONTROLS = [
 ]
 
 
+def node(case: str) -> str:
+    """A case's pytest node id: upstream/... under tests/, the rest under tests/cpu/."""
+    return f"tests/{case}" if case.startswith("upstream/") else f"tests/cpu/{case}"
+
+
 @pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
 def test_fixed_cases_fail_on_the_pristine_tree():
-    cases = [f"tests/cpu/{case}" for case in EXPECTED_TO_FAIL + DENSE_CONTROLS]
+    cases = [node(case) for case in EXPECTED_TO_FAIL + DENSE_CONTROLS]
     env = dict(os.environ, PYTHONPATH=f"{PRISTINE}:{ROOT}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *cases],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     outcome = {line.split()[1]: line.split()[0] for line in proc.stdout.splitlines()
                if line.startswith(("FAILED ", "PASSED ", "ERROR "))}
-    missing = [case for case in EXPECTED_TO_FAIL if outcome.get(f"tests/cpu/{case}") != "FAILED"]
+    missing = [case for case in EXPECTED_TO_FAIL if outcome.get(node(case)) != "FAILED"]
     assert not missing, f"expected to fail on the pristine tree but did not: {missing}\n{proc.stdout[-3000:]}"
-    not_served = [case for case in DENSE_CONTROLS if outcome.get(f"tests/cpu/{case}") != "PASSED"]
+    not_served = [case for case in DENSE_CONTROLS if outcome.get(node(case)) != "PASSED"]
     assert not not_served, f"dense pools must pass on the pristine tree too: {not_served}\n{proc.stdout[-3000:]}"

@@ -9,6 +9,11 @@ cd "$root"
 export GPU_RESULTS=${GPU_RESULTS:-$root/build/gpu-results.jsonl}
 mkdir -p "$(dirname "$GPU_RESULTS")"
 status=0
+# The series' upstream-style unit tests: their CUDA kernel cases need no kvcached.
+if [ -z "${GPU_TESTS:-}" ]; then
+  echo "== tests/upstream"
+  python3 -m pytest -q -p no:cacheprovider tests/upstream "$@" || status=1
+fi
 # A GDN state cell (over 2 MiB) needs 4 MiB kvcached pages; KV pools keep kvcached's
 # default 2 MiB pages.
 # GPU_LAYOUTS, GPU_PARTS (kv, mamba) and GPU_TESTS (test files, default all of tests/gpu)

@@ -78,7 +78,7 @@ def backup_indices(host, rows):
 def device_runs(host):
     """(layers, row stride) per device pool the host pool copies with its own stride;
     none where all views are dense, or on SGLang without the series."""
-    return [(run.layer_num, run.stride_bytes) for run in getattr(host, "strided_device_layers", None) or []]
+    return [(run.layers.stop - run.layers.start, run.row_stride_bytes) for run in host.device_layer_runs or []]
 
 
 def round_trips(test, target, draft, hosts, rows, backup, load, trips, layout, **fields):

@@ -49,9 +49,11 @@ RUNS_SGLANG = re.compile(r"^\s*(from|import) sglang\b|\b(host_modules|kernel_emu
 
 
 def tests_for(path: str) -> list[str]:
-    """Every CPU test file that runs SGLang's code: a mutant of any series line meets all of
-    them (the run orders them fastest first, and -x stops at the first failure)."""
-    return sorted(str(p.relative_to(ROOT)) for p in CPU.glob("test_*.py") if RUNS_SGLANG.search(p.read_text()))
+    """Every CPU-tier test file (tests/cpu, tests/upstream) that runs SGLang's code: a
+    mutant of any series line meets all of them (the run orders them fastest first, and
+    -x stops at the first failure)."""
+    files = [*CPU.glob("test_*.py"), *(ROOT / "tests" / "upstream").glob("test_*.py")]
+    return sorted(str(p.relative_to(ROOT)) for p in files if RUNS_SGLANG.search(p.read_text()))
 
 
 def build_trees(run_dir: Path, jobs: int) -> tuple[Path, Path, list[Path]]:

@@ -13,7 +13,7 @@ as in SGLang's own CPU unit tests for host pools.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import torch
 
@@ -61,6 +61,18 @@ def _kv_sizes(views, dtype):
     return tuple(sum(v.numel() for v in group) * dtype.itemsize for group in views)
 
 
+def _with_sglang_methods(pool, class_name, *names):
+    """Bind the SGLang pool class's own methods of these names to a fake, where the tree
+    on the path has them (the patched tree's host-budget split reads them)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    cls = getattr(memory_pool, class_name)
+    for name in names:
+        if hasattr(cls, name):
+            setattr(pool, name, MethodType(getattr(cls, name), pool))
+    return pool
+
+
 def mha_pool(layout, *, size, page_size, layers, heads, head_dim, dtype=torch.bfloat16):
     k, v = _kv_views(layout, size + page_size, page_size, (heads, head_dim), layers, dtype, 2)
     pool = SimpleNamespace(
@@ -74,7 +86,7 @@ def mha_pool(layout, *, size, page_size, layers, heads, head_dim, dtype=torch.bf
         # views are interleaved (patches.py: _init_data_ptrs_and_strides skipped).
         pool.k_data_ptrs = torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64)
         pool.v_data_ptrs = torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)
-    return pool
+    return _with_sglang_methods(pool, "MHATokenToKVPool", "get_logical_kv_size_bytes", "_kv_buffer_rows")
 
 
 def mla_pool(layout, *, size, page_size, layers, kv_lora_rank, qk_rope_head_dim, dtype=torch.bfloat16):
@@ -89,7 +101,7 @@ def mla_pool(layout, *, size, page_size, layers, kv_lora_rank, qk_rope_head_dim,
     pool.get_kv_size_bytes = lambda: _kv_sizes((pool.kv_buffer,), dtype)
     # Native pools, and kvcached's elastic MLA pool too, publish data_ptrs.
     pool.data_ptrs = torch.tensor([t.data_ptr() for t in kv], dtype=torch.uint64)
-    return pool
+    return _with_sglang_methods(pool, "MLATokenToKVPool", "get_logical_kv_size_bytes", "_kv_buffer_rows")
 
 
 class PerLayerMambaState:
@@ -170,4 +182,4 @@ def mamba_pool(layout, *, slots, layers, conv_shapes, temporal_shape, conv_dtype
     pool = SimpleNamespace(mamba_cache=cache, num_mamba_layers=layers, size=slots, device="cpu")
     # MambaPool.get_kv_size_bytes counts its state tensors (logical slots), as kvcached's does.
     pool.get_kv_size_bytes = lambda: layers * num_slots * state_bytes
-    return pool
+    return _with_sglang_methods(pool, "MambaPool", "get_logical_kv_size_bytes")

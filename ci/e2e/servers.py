@@ -11,9 +11,10 @@ session, so a stop reaches every process it started: scheduler, detokenizer, TP 
   stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once.
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
 range, the launch command of the `local` (this host, a tree first on PYTHONPATH) and
-`docker` launchers, the process environment of a local server, KEY=VALUE options, the
-state of a tree (scripts/status) and what ran (GPU, driver, the versions a tree imports),
-and the image names pinned in sglang.pin.
+`docker` launchers, the process environment of a local server, whether a module it needs
+is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE options, the state of a
+tree (scripts/status) and what ran (GPU, driver, the versions a tree imports), and the
+image names pinned in sglang.pin.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# an import-only deep_gemm (standin/README.md), for servers whose environment lacks it
+STANDIN_SITE = HERE / "standin" / "site"
 # what a request to a server that is starting, dying or gone raises
 UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
@@ -115,6 +118,13 @@ def local_env(env: dict[str, str], first: list[str] = (), last: list[str] = (),
     if gpus is not None:
         out["CUDA_VISIBLE_DEVICES"] = gpus
     return out
+
+
+def lacks(python: str, module: str, env: dict[str, str] | None = None) -> bool:
+    """Whether `python` (in `env`, default the caller's with kvcached off) cannot import `module`."""
+    probe = subprocess.run([python, "-c", f"import importlib.util as u; print(u.find_spec({module!r}) is None)"],
+                           capture_output=True, text=True, env=env or {**os.environ, "ENABLE_KVCACHED": "false"})
+    return probe.stdout.strip() == "True"
 
 
 def post(url: str, payload: dict | None, timeout: float) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,11 +21,6 @@ from pathlib import Path
 import e2e_matrix as matrix
 import e2e_verdict as judge
 import servers
-
-HERE = Path(__file__).resolve().parent
-# an import-only deep_gemm (see its README), for servers whose environment lacks it
-STANDIN_SITE = HERE / "standin" / "site"
-
 
 class Journal:
     """Events, one JSON object a line, flushed at once; thread-safe."""
@@ -102,16 +96,6 @@ class FleetServer(servers.Server):
         super().stop(grace)
 
 
-def needs_standin(python: str, cases: list[matrix.Case]) -> bool:
-    """deep_gemm (which SGLang's DeepSeek model file imports) missing from the servers'
-    environment: put the import-only stand-in on their path (ci/e2e/standin)."""
-    if not any(c.pool == "mla" for c in cases):
-        return False
-    probe = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('deep_gemm') is None)"],
-                           capture_output=True, text=True, env={**os.environ, "ENABLE_KVCACHED": "false"})
-    return probe.stdout.strip() == "True"
-
-
 def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetServer], str | None]:
     """The fleet's servers, by label, and the label of the one with the small host pool."""
     o = opts
@@ -125,7 +109,8 @@ def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetSe
     if not o.no_deterministic:
         extra_flags.append("--enable-deterministic-inference")
     extra_env = servers.parse_env(o.env)
-    deep_gemm = needs_standin(o.python, cases)
+    # deep_gemm, which SGLang's DeepSeek model file imports: the stand-in where it is missing
+    deep_gemm = any(c.pool == "mla" for c in cases) and servers.lacks(o.python, "deep_gemm")
     tag = f"soak{os.getpid() % 100000}"
     fleet, small_host = {}, None
     for i, (label, role, case, on) in enumerate(specs):
@@ -145,7 +130,7 @@ def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetSe
         if deep_gemm:
             env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
         first = [*([str(Path(o.native_path).resolve())] if (o.native_path and not on) else []), str(matrix.PLUGIN)]
-        process_env = servers.local_env(env, first, [str(STANDIN_SITE)] if deep_gemm else [], gpus=o.gpu)
+        process_env = servers.local_env(env, first, [str(servers.STANDIN_SITE)] if deep_gemm else [], gpus=o.gpu)
         command = servers.launch_command("local", o.python, None, env, args, [])
         fleet[label] = FleetServer(label, role, case, on, port, args, env, process_env, command,
                                    logs / f"{label}.log", ipc)

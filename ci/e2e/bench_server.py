@@ -43,7 +43,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -603,11 +602,7 @@ class Bench:
             self.stop(fleet)
 
     def stop(self, fleet: ShapeServers) -> None:
-        stoppers = [threading.Thread(target=s.stop) for s in fleet.members.values()]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join()
+        servers.stop_all(fleet.members.values())
         self.live = [s for s in self.live if s not in fleet.members.values()]
 
     def check_memory(self) -> None:
@@ -751,12 +746,7 @@ def main(argv=None) -> int:
     if opts.dry_run:
         return dry_run(opts)
     bench = Bench(opts)
-    handlers = {sig: signal.signal(sig, bench.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return bench.run()
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    return servers.with_signals(bench.stop_all, bench.run)
 
 
 if __name__ == "__main__":

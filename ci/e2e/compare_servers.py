@@ -40,7 +40,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -299,14 +298,12 @@ def main(argv=None) -> int:
               "patches": patches_state(), "environment": environment(opts), "plan": asdict(plan),
               "logprob_tol": opts.logprob_tol}
     runner = Runner(opts, plan)
-    handlers = {sig: signal.signal(sig, runner.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
     order = matrix.run_order(rows)
-    try:
+
+    def run_all() -> dict:
         with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            done = dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+            return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
+    done = servers.with_signals(runner.stop_all, run_all)
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -212,6 +213,26 @@ class Server:
         if self.running():
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
+
+
+def stop_all(members) -> None:
+    """Stop servers side by side (each SIGTERM, SIGKILL after its grace)."""
+    stoppers = [threading.Thread(target=s.stop) for s in members]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+
+
+def with_signals(handler, run):
+    """run() with SIGTERM and SIGINT going to handler (a harness stops its servers and
+    writes what it has), the handlers before it back afterwards."""
+    handlers = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run()
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
 
 
 def tree_state(path: str) -> str:

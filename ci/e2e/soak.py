@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -396,12 +395,7 @@ def main(argv=None) -> int:
     if opts.detach:
         return detach(argv, Path(opts.out))
     soak = Soak(opts)
-    handlers = {sig: signal.signal(sig, soak.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return soak.run()
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    return servers.with_signals(soak.stop_all, soak.run)
 
 
 if __name__ == "__main__":

@@ -185,12 +185,7 @@ class Fleet:
                 print(f"[{self.journal.now():5.0f} s] server {s.label} died (exit {p.returncode})", flush=True)
 
     def stop_all(self) -> None:
-        """Stop every server at once (each SIGTERM, SIGKILL after its grace)."""
-        stoppers = [threading.Thread(target=s.stop) for s in self.servers.values()]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join()
+        servers.stop_all(self.servers.values())
 
 
 def environment(opts) -> dict:

@@ -589,7 +589,11 @@ class Bench:
                 for turns in o.turns:
                     w = record["workloads"][workload(turns)]
                     for position, variant in enumerate(order):
-                        rec = self.bench_once(fleet, variant, rnd, position, turns)
+                        if o.deadline is not None and time.time() - self.started > o.deadline:
+                            rec = {"round": rnd, "position": position, "variant": variant, "metrics": {},
+                                   "error": f"not run: --deadline {o.deadline:.0f} s had passed"}
+                        else:
+                            rec = self.bench_once(fleet, variant, rnd, position, turns)
                         w["runs"].append(rec)
                         w["summary"] = summarize(w["runs"], o.variants)
                         self.save()
@@ -680,6 +684,7 @@ def options(argv=None):
     ap.add_argument("--port", type=int, help="first port (default: a free block)")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--bench-timeout", type=float, default=600, help="seconds one client run may take")
+    ap.add_argument("--deadline", type=float, help="start no client run after this many seconds (it is 'not run')")
     opts = ap.parse_args(argv)
     if opts.render or opts.plot:
         return opts

@@ -132,6 +132,15 @@ def test_a_failed_client_or_a_dead_server_is_a_problem_and_the_rest_is_kept(tree
     assert "## Problems" in (out / "summary.md").read_text()
 
 
+def test_runs_past_the_deadline_are_not_run_and_say_so(trees, tmp_path):
+    out = tmp_path / "run"
+    assert bench.main([*trees, *SMALL, *fake_client(), "--out", str(out), "--deadline", "0"]) == 1
+    report = json.loads((out / "report.json").read_text())
+    runs = report["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["runs"]
+    assert len(runs) == 12 and all(r["error"] == "not run: --deadline 0 s had passed" for r in runs)
+    assert not list((out / "raw").rglob("*.jsonl"))
+
+
 def test_sglangs_own_client_single_and_multi_turn_against_a_stand_in_server(trees, tmp_path):
     client = os.environ.get("PRISTINE_SGLANG")
     if not client or not (Path(client) / "sglang" / "benchmark" / "serving.py").is_file():

@@ -473,18 +473,14 @@ class Bench:
         self.stopping = True
         raise Interrupted()
 
-    def launch(self, shape: Shape) -> ShapeServers:
+    def plan(self, shape: Shape, base: int) -> ShapeServers:
+        """The shape's model folder and its servers, one a variant on ports base + 10 * i."""
         o, sizes = self.opts, self.sizes
-        context = sizes.longest(max(o.turns)) + 64
-        model = write_model(self.out / "models" / shape.name, shape, context)
-        ratio = o.hicache_ratio or max(hicache_ratio(sizes, t) for t in o.turns)
-        fleet = ShapeServers(shape, model, ratio)
-        base = o.port or servers.free_port_block(len(o.variants))
+        model = write_model(self.out / "models" / shape.name, shape, sizes.longest(max(o.turns)) + 64)
+        fleet = ShapeServers(shape, model, o.hicache_ratio or max(hicache_ratio(sizes, t) for t in o.turns))
         deep_gemm = shape.config["model_type"].startswith("deepseek") and servers.lacks(o.python, "deep_gemm")
         logs = self.out / "logs" / shape.name
         logs.mkdir(parents=True, exist_ok=True)
-        record = self.report["shapes"][shape.name] = {"what": shape.what, "hicache_ratio": ratio, "model": str(model),
-                                                      "servers": {}, "workloads": {}}
         for i, name in enumerate(o.variants):
             v = VARIANTS[name]
             port = base + 10 * i
@@ -492,19 +488,26 @@ class Bench:
                                                   o.kvcached_max_cached_tokens)}
             if deep_gemm:
                 env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
-            args = server_args(shape, v, model, port, sizes, ratio, o.mem_fraction_static, self.extra_flags)
+            args = server_args(shape, v, model, port, sizes, fleet.ratio, o.mem_fraction_static, self.extra_flags)
             tree = o.pristine_path if v.tree == "pristine" else o.patched_path
             process_env = servers.local_env(env, [str(Path(tree).resolve())],
                                             [str(servers.STANDIN_SITE)] if deep_gemm else [], gpus=o.gpu)
-            log = logs / f"{name}.log"
-            log.write_text("")
-            server = servers.Server(servers.launch_command("local", o.python, None, env, args, []), port, log, env,
-                                    process_env)
-            fleet.members[name] = server
-            record["servers"][name] = {"command": server.command, "env": env, "port": port, "log": str(log)}
+            fleet.members[name] = servers.Server(servers.launch_command("local", o.python, None, env, args, []), port,
+                                                 logs / f"{name}.log", env, process_env)
+        return fleet
+
+    def launch(self, shape: Shape) -> ShapeServers:
+        o = self.opts
+        base = o.port or servers.free_port_block(len(o.variants))
+        fleet = self.plan(shape, base)
+        record = self.report["shapes"][shape.name] = {
+            "what": shape.what, "hicache_ratio": fleet.ratio, "model": str(fleet.model), "workloads": {},
+            "servers": {n: {"command": s.command, "env": s.env, "port": s.port, "log": str(s.log)}
+                        for n, s in fleet.members.items()}}
         self.log(f"{shape.name}: starting {', '.join(o.variants)} (ports {base}-{base + 10 * len(o.variants) - 9})")
         began = time.time()
         for server in fleet.members.values():
+            server.log.write_text("")
             server.start()
             self.live.append(server)
         why = {}
@@ -713,22 +716,15 @@ def options(argv=None):
 
 def dry_run(opts) -> int:
     bench = Bench(opts)
-    sizes, out = bench.sizes, Path(opts.out)
     for name in opts.shapes:
-        shape = SHAPES[name]
-        model = out / "models" / shape.name
-        ratio = opts.hicache_ratio or max(hicache_ratio(sizes, t) for t in opts.turns)
-        for i, v in enumerate(opts.variants):
-            port = (opts.port or 30000) + 10 * i
-            env = server_env(shape, VARIANTS[v], f"bench_{shape.name}_{v}", opts.kvcached_max_cached_tokens)
-            args = server_args(shape, VARIANTS[v], model, port, sizes, ratio, opts.mem_fraction_static,
-                               bench.extra_flags)
-            print(f"# {name} {v} ({VARIANTS[v].tree} tree)\n" + " ".join(f"{k}={x}" for k, x in env.items()) + " "
-                  + shlex.join(servers.launch_command("local", opts.python, None, env, args, [])))
+        fleet = bench.plan(SHAPES[name], opts.port or 30000)
+        for v, server in fleet.members.items():
+            print(f"# {name} {v} ({VARIANTS[v].tree} tree)\n" + " ".join(f"{k}={x}" for k, x in server.env.items())
+                  + " " + shlex.join(server.command))
         for turns in opts.turns:
             print(f"# client, {workload(turns)}\n" + shlex.join(
-                [*bench.client, *client_args(sizes, turns, f"http://127.0.0.1:{opts.port or 30000}", model,
-                                             out / "raw" / "r1-native.jsonl", opts.seed, "dry-run")]))
+                [*bench.client, *client_args(bench.sizes, turns, fleet.members[BASELINE].base, fleet.model,
+                                             bench.out / "raw" / "r1-native.jsonl", opts.seed, "dry-run")]))
     return 0
 
 

@@ -14,7 +14,8 @@ endif
 include sglang.pin
 
 .PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu mutants bench profile e2e soak image wheel ci clean
+        import-patches export-patches test test-gpu mutants bench profile e2e soak bench-server image wheel \
+        ci clean
 
 all: patched
 
@@ -137,6 +138,20 @@ SOAK_ARGS ?=
 SOAK_SERVER_FLAGS ?=
 soak:
 	$(PYTHON) ci/e2e/soak.py --out $(SOAK_OUT) $(if $(SOAK_SERVER_FLAGS),--server-flags "$(SOAK_SERVER_FLAGS)") $(SOAK_ARGS)
+
+# SGLang's own benchmark client (python -m sglang.bench_serving, generated-shared-prefix)
+# against SGLang's server, kvcached vs native, HiCache on, CUDA graphs on: the servers of
+# every variant started once side by side on one GPU, benchmarked in rotated rounds
+# (ci/e2e/bench_server.py). The same machine and trees as `make e2e E2E_LAUNCHER=local`.
+# BENCH_SERVER_ARGS e.g. --shapes llama3-8b deepseek-v2-lite qwen3.5-4b, --turns 1 4,
+# --rounds 5; E2E_SERVER_FLAGS: more launch_server flags. Markdown of a report again:
+# ci/e2e/bench_server.py --render OUT/report.json.
+BENCH_SERVER_OUT ?= build/bench-server
+BENCH_SERVER_ARGS ?=
+bench-server:
+	ci/e2e/trees.sh $(PYTHON) $(E2E_TREES)
+	$(PYTHON) ci/e2e/bench_server.py --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
+	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") --out $(BENCH_SERVER_OUT) $(BENCH_SERVER_ARGS)
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
 # daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot

@@ -38,18 +38,12 @@ import hashlib
 import json
 import os
 import platform
-import random
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -59,99 +53,15 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as judge  # noqa: E402
+import servers  # noqa: E402
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
 
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key or not key.replace("_", "").isalnum():
-            raise ValueError(f"--env takes KEY=VALUE, not {pair!r}")
-        env[key] = value
-    return env
-
-
-def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
-                   gpus: list[str], mounts: tuple[str, ...] = ()) -> list[str]:
-    """The command that starts one server: in a container (docker) or on this host (local)."""
-    serve = ["-m", "sglang.launch_server", *args]
-    if launcher == "local":
-        return [python, *serve]
-    if not image:
-        raise ValueError("--launcher docker needs an image for this variant")
-    command = ["docker", "run", "--rm", "--gpus", f'"device={",".join(gpus)}"', "--ipc=host", "--network=host",
-               "-v", f"{os.path.expanduser('~')}/.cache/huggingface:/root/.cache/huggingface"]
-    for mount in mounts:
-        command += ["-v", f"{mount}:{mount}:ro"]
-    for key, value in sorted(env.items()):
-        command += ["-e", f"{key}={value}"]
-    return [*command, image, "python3", *serve]
-
-
-def post(url: str, payload: dict | None, timeout: float) -> dict:
-    data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read().decode()
-    return json.loads(body) if body.strip().startswith(("{", "[")) else {"text": body}
-
-
-def generate(base: str, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
+def generate(server: servers.Server, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
     payload = {"input_ids": ids,
                "sampling_params": {"temperature": 0.0, "max_new_tokens": plan.max_new_tokens, "ignore_eos": True},
                "return_logprob": True, "top_logprobs_num": plan.top_logprobs, "logprob_start_len": -1}
-    return judge.summarize(post(f"{base}/generate", payload, timeout))
-
-
-def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> str:
-    """'' once the server answers a generation; else why not ('died', 'not ready')."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            return "died at startup"
-        try:
-            post(f"{base}/health_generate", None, timeout=30)
-            return ""
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            time.sleep(1)
-    return "not ready"
-
-
-def stop(process: subprocess.Popen) -> None:
-    """The server and every process it started (it leads its own process group)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
-    """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
-    outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
-    ports, so a block inside that range can be taken between this check and the bind."""
-    low, high = ephemeral or map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    span = 10 * jobs
-    bases = [*range(10000, low - span, 100), *range(-(-(high + 1) // 100) * 100, 65536 - span, 100)]
-    if not bases:
-        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no block of {span} ports outside it")
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.choice(bases)
-        try:
-            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1)):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no free block of {span} ports outside the ephemeral range {low}-{high} in 200 tries")
+    return judge.summarize(server.post("/generate", payload, timeout))
 
 
 class Runner:
@@ -166,8 +76,8 @@ class Runner:
         self.logs = Path(opts.logs or Path(opts.out).with_suffix("").as_posix() + "-logs")
         self.logs.mkdir(parents=True, exist_ok=True)
         self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
-        self.extra_env = parse_env(opts.env)
-        self.live: set[subprocess.Popen] = set()
+        self.extra_env = servers.parse_env(opts.env)
+        self.live: set[servers.Server] = set()
         self.stopping = False
         # each finished row at once, so that a run cut short keeps what it did
         self.journal = Path(opts.out).with_suffix(".rows.jsonl")
@@ -176,8 +86,8 @@ class Runner:
     def stop_all(self, *_) -> None:
         """On SIGTERM/SIGINT: start no more rows, stop every server still running, exit."""
         self.stopping = True
-        for process in list(self.live):
-            stop(process)
+        for server in list(self.live):
+            server.stop()
         raise SystemExit(f"stopped; finished rows are in {self.journal}")
 
     def image(self, variant: matrix.Variant) -> str | None:
@@ -237,78 +147,52 @@ class Runner:
         mounts = (row.case.model, *plugins) if row.case.dummy else ()
         if opts.launcher == "docker" and plugins:
             env["PYTHONPATH"] = ":".join(plugins)
-        command = launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus, mounts)
+        command = servers.launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus,
+                                         mounts)
         process_env = None
         if opts.launcher == "local":
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
-            path = [str(Path(tree).resolve()), *plugins, os.environ.get("PYTHONPATH", "")]
-            process_env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
-                           "PYTHONPATH": ":".join(p for p in path if p)}
+            process_env = servers.local_env(env, [str(Path(tree).resolve()), *plugins], gpus=",".join(gpus))
         log = self.logs / (row.key.replace("/", "__") + ".log")
+        log.write_text("")          # this run's log only: the verdict reads its error lines
+        server = servers.Server(command, port, log, env, process_env)
         print(f"[{time.time() - self.started:6.0f} s] start {row.key} (GPU {','.join(gpus)}, port {port})", flush=True)
         result = {"command": command, "env": env, "gpus": gpus, "log": str(log)}
         began = time.time()
-        with open(log, "w") as handle:
-            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=process_env,
-                                       start_new_session=True)
-        self.live.add(process)
+        server.start()
+        self.live.add(server)
         try:
-            base = f"http://127.0.0.1:{port}"
-            why = wait_ready(base, process, opts.ready_timeout)
+            why = server.wait_ready(opts.ready_timeout)
             result["start_s"] = round(time.time() - began, 1)
             if why:
                 result["outcome"] = why
             else:
                 began = time.time()
                 try:
-                    result["passes"] = self.traffic(base, row)
+                    result["passes"] = self.traffic(server, row)
                     result["outcome"] = "served"
-                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, KeyError) as exc:
-                    try:   # a dying server takes a moment to exit after its scheduler failed
-                        process.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    result["outcome"] = "died serving" if process.poll() is not None else "request failed"
+                except (*servers.UNREACHABLE, KeyError) as exc:
+                    result["outcome"] = "died serving" if server.wait_exit(20) else "request failed"
                     result["request_error"] = f"{type(exc).__name__}: {exc}"
                 result["run_s"] = round(time.time() - began, 1)
         finally:
-            stop(process)
-            self.live.discard(process)
+            server.stop()
+            self.live.discard(server)
             if storage and opts.launcher == "local":
                 shutil.rmtree(storage, ignore_errors=True)
-        result.update(judge.scan_log(log.read_text(errors="replace")))
+        result.update(judge.scan_log(server.log_text()))
         print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: {result['outcome']} "
               f"{result.get('error', '')[:120]}", flush=True)
         return result
 
-    def traffic(self, base: str, row: matrix.Row) -> dict:
+    def traffic(self, server: servers.Server, row: matrix.Row) -> dict:
         t = matrix.traffic(self.plan, row.case.vocab_size, row.l3)
         timeout = self.opts.request_timeout
-        passes = {"pass1": [generate(base, ids, self.plan, timeout) for ids in t.pass1]}
+        passes = {"pass1": [generate(server, ids, self.plan, timeout) for ids in t.pass1]}
         for ids in t.filler:
-            generate(base, ids, self.plan, timeout)
-        passes["pass2"] = [generate(base, ids, self.plan, timeout) for ids in t.pass2]
+            generate(server, ids, self.plan, timeout)
+        passes["pass2"] = [generate(server, ids, self.plan, timeout) for ids in t.pass2]
         return passes
-
-
-def tree_state(path: str) -> str:
-    """scripts/status's first line for a folder holding sglang/ (series pristine/applied/...)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), path], capture_output=True, text=True)
-    return (proc.stdout.splitlines() or [proc.stderr.strip()])[0]
-
-
-def check_trees(opts) -> dict[str, str]:
-    """The local launcher's trees must be what their names say; else nothing runs."""
-    states = {}
-    for name, path, want in (("pristine", opts.pristine_path, "series pristine"),
-                             ("patched", opts.patched_path, "series applied")):
-        if not path or not (Path(path) / "sglang").is_dir():
-            raise SystemExit(f"--launcher local needs --{name}-path: a folder holding an sglang/ package "
-                             f"(ci/e2e/trees.sh makes one); got {path!r}")
-        states[name] = tree_state(path)
-        if not states[name].endswith(want):
-            raise SystemExit(f"--{name}-path {path}: scripts/status says '{states[name]}', expected '{want}'")
-    return states
 
 
 def patches_state(patches: Path = ROOT / "patches") -> dict:
@@ -322,33 +206,12 @@ def patches_state(patches: Path = ROOT / "patches") -> dict:
 
 def environment(opts) -> dict:
     """What ran: GPU, driver, Python and the versions the servers import, stand-ins named."""
-    env = {"python": platform.python_version(), "launcher": opts.launcher}
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        env["gpus"] = smi.stdout.strip().splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        env["gpus"] = []
     if opts.launcher == "local":
-        probe = ("import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
-                 "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
-                 # a package unpacked without its dist-info (ci/e2e/real_kernels): its own version
-                 "def real_sgl_kernel():\n"
-                 " import sgl_kernel\n"
-                 " return f'{sgl_kernel.__version__} (real ops, {os.path.dirname(sgl_kernel.__file__)})'\n"
-                 "s = u.find_spec('sgl_kernel')\n"
-                 "stand = bool(s and os.path.exists(os.path.join(os.path.dirname(s.origin), '_standin_ops.py')))\n"
-                 "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda,"
-                 " 'transformers': v('transformers'), 'triton': v('triton'), 'kvcached': v('kvcached'),"
-                 " 'sgl_kernel': 'plain-torch stand-in (its Python wrappers, ops re-registered)' if stand"
-                 " else v('sglang-kernel') or real_sgl_kernel()}))\n")
-        path = ":".join(p for p in [str(Path(opts.patched_path).resolve()), os.environ.get("PYTHONPATH", "")] if p)
-        proc = subprocess.run([opts.python, "-c", probe], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": path, "ENABLE_KVCACHED": "false"}, timeout=300)
-        env["versions"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:]
+        env = servers.machine(opts.python, opts.patched_path)
     else:
-        env["images"] = {"native": opts.native_image, "patched": opts.patched_image,
-                         "pristine+kvcached": opts.pristine_kvcached_image}
+        env = {"python": platform.python_version(), "launcher": opts.launcher, "gpus": servers.gpus(),
+               "images": {"native": opts.native_image, "patched": opts.patched_image,
+                          "pristine+kvcached": opts.pristine_kvcached_image}}
     env["server_flags"] = opts.server_flags
     env["env"] = opts.env
     return env
@@ -387,8 +250,9 @@ def options(argv=None):
     ap.add_argument("--python", default=sys.executable, help="local launcher: the interpreter of the servers")
     ap.add_argument("--pristine-path", help="local: folder holding SGLang 0.5.20's sglang/ as released")
     ap.add_argument("--patched-path", help="local: folder holding sglang/ with the series applied")
-    ap.add_argument("--native-image", default="lmsysorg/sglang:v0.5.20-cu130")
-    ap.add_argument("--patched-image", default="sglang-elastic-hicache:0.5.20")
+    ap.add_argument("--native-image", default=servers.official_image(),
+                    help="docker: SGLang's official image (default: sglang.pin's, by digest)")
+    ap.add_argument("--patched-image", default=servers.project_image(), help="docker: `make image`'s tag")
     ap.add_argument("--pristine-kvcached-image", help="docker: SGLang 0.5.20 as released with kvcached 0.1.6")
     ap.add_argument("--server-flags", action="append", default=[],
                     help="more launch_server flags for every server (one string, split like a shell)")
@@ -406,7 +270,7 @@ def options(argv=None):
     if opts.jobs < 1:
         ap.error("--jobs must be at least 1")
     try:
-        parse_env(opts.env)
+        servers.parse_env(opts.env)
     except ValueError as exc:
         ap.error(str(exc))
     return opts
@@ -427,21 +291,19 @@ def main(argv=None) -> int:
     if opts.list:
         print("\n".join(f"{r.key} (expect {r.expect})" for r in rows))
         return 0
-    trees = check_trees(opts) if opts.launcher == "local" else {}
+    trees = servers.check_trees(opts.pristine_path, opts.patched_path) if opts.launcher == "local" else {}
     plan = matrix.Plan()
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:], "trees": trees,
               "patches": patches_state(), "environment": environment(opts), "plan": asdict(plan),
               "logprob_tol": opts.logprob_tol}
     runner = Runner(opts, plan)
-    handlers = {sig: signal.signal(sig, runner.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
     order = matrix.run_order(rows)
-    try:
+
+    def run_all() -> dict:
         with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            done = dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+            return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
+    done = servers.with_signals(runner.stop_all, run_all)
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)

@@ -6,21 +6,16 @@
     python3 ci/e2e/soak.py --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
     python3 ci/e2e/soak.py --table R1.json R2.json ...                         (docs/soak-results.md rows)
 
-Servers (SGLang 0.5.20's `python -m sglang.launch_server`, started side by side with the
-interpreter and environment of the caller, `--enable-hierarchical-cache` on every one):
-  shared s0, s1[, s2]  one per --models entry, kvcached on (ENABLE_KVCACHED=true, each its own
-                       KVCACHED_IPC_NAME), all on one GPU under one KV budget (soak_kvc.Arbiter):
-                       --budget-fraction of what their pools want, each kept at --floor-tokens at
-                       least, the spare following the burst window from server to server;
-  ref-native-<model>   kvcached off, unshared: the oracle's solo answers, then the reference load;
-  ref-kvcached-<model> kvcached on, unshared (no limit set): the reference load.
-Phases: start all; solo (each catalogue prompt answered alone by ref-native); reference load
-(--ref-duration per model, native and unshared kvcached side by side, then ref-kvcached stops);
-shared (--duration: clients on every shared server, bursts rotating, faults); after (a killed
-server's restart awaited and its answers checked, `rejoin`). Faults in the shared phase:
-small host pool (the last shared server runs --small-host-ratio), client disconnects, /flush_cache
-under load then drained, kill -9 of one shared server and its restart. See soak_verdict for
-the oracle, docs/soak-results.md for every field of the report.
+Servers (soak_fleet): one shared server per --models entry, kvcached on, all on one GPU
+under one KV budget (soak_kvc: --budget-fraction of what their pools want, each kept at
+--floor-tokens at least, the spare following the burst window from server to server), and
+per model an unshared native server (the oracle) and an unshared kvcached one.
+Phases (this file): start all; solo (each catalogue prompt answered alone by the native
+reference); reference load (--ref-duration per model, native and unshared kvcached side by
+side, then the unshared kvcached one stops); shared (--duration: clients on every shared
+server, bursts rotating, faults: soak_faults); after (a killed server's restart awaited and
+its answers checked, `rejoin`). Traffic: soak_traffic; the oracle and the report: soak_verdict;
+every field of the report: docs/soak-results.md.
 
 Files, written as the run goes (a crash of the harness loses nothing): OUT (the report, rewritten
 every --report-every s and at the end), OUT.events.jsonl (every request, counter sample, server
@@ -39,28 +34,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-import compare_servers as e2e  # noqa: E402
 import e2e_matrix as matrix  # noqa: E402
-import e2e_verdict as judge  # noqa: E402
+import servers  # noqa: E402
+import soak_faults as faults  # noqa: E402
+import soak_fleet as fleets  # noqa: E402
 import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
+from compare_servers import patches_state  # noqa: E402  (the series digest, until scripts/ has the one)
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
-STANDIN_SITE = HERE / "standin" / "site"
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")
 SOAK_CASES = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny")
 
@@ -69,106 +60,9 @@ class Interrupted(Exception):
     """SIGTERM or SIGINT reached the harness."""
 
 
-class Journal:
-    """Events, one JSON object a line, flushed at once; thread-safe."""
-
-    def __init__(self, path: Path, started: float):
-        self.path, self.started = path, started
-        self.lock = threading.Lock()
-        self.handle = open(path, "a")
-
-    def now(self) -> float:
-        return round(time.time() - self.started, 3)
-
-    def write(self, event: dict) -> dict:
-        event = {"t": self.now(), **event}
-        with self.lock:
-            self.handle.write(json.dumps(event) + "\n")
-            self.handle.flush()
-        return event
-
-
-class Server:
-    """One SGLang server process group: launched, watched, killed, restarted."""
-
-    def __init__(self, label: str, role: str, case: matrix.Case, kvcached: bool, port: int, args: list[str],
-                 env: dict[str, str], process_env: dict[str, str], command: list[str], log: Path,
-                 ipc_name: str | None):
-        self.label, self.role, self.case, self.kvcached = label, role, case, kvcached
-        self.port, self.args, self.env, self.process_env = port, args, env, process_env
-        self.command, self.log, self.ipc_name = command, log, ipc_name
-        self.base = f"http://127.0.0.1:{port}"
-        self.process: subprocess.Popen | None = None
-        self.up = threading.Event()           # answering; clients wait while it is not
-        self.paused = threading.Event()       # clients hold back (a drained flush)
-        self.expect_exit = False              # a kill or stop by the harness
-        self.generation = 0                   # starts so far
-        self.inflight = 0
-        self.lock = threading.Lock()
-
-    def launch(self, journal: Journal) -> None:
-        self.generation += 1
-        with open(self.log, "a") as handle:
-            handle.write(f"\n===== soak: start {self.generation} =====\n")
-            handle.flush()
-            self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT,
-                                            env=self.process_env, start_new_session=True)
-        # only now: until the new process stands in self.process, the watcher must not take
-        # the killed one's exit for a crash
-        self.expect_exit = False
-        journal.write({"type": "server", "event": "launched", "server": self.label, "role": self.role,
-                       "model": self.case.name, "pool": self.case.pool, "kvcached": self.kvcached,
-                       "ipc_name": self.ipc_name, "port": self.port, "command": self.command, "env": self.env,
-                       "log": str(self.log), "generation": self.generation})
-
-    def wait_ready(self, journal: Journal, timeout: float) -> bool:
-        began = time.time()
-        why = e2e.wait_ready(self.base, self.process, timeout)
-        if why:
-            journal.write({"type": "server", "event": "not ready", "server": self.label, "why": why,
-                           **judge.scan_log(self.log.read_text(errors="replace"))})
-            return False
-        self.up.set()
-        scan = judge.scan_log(self.log.read_text(errors="replace"))
-        journal.write({"type": "server", "event": "ready", "server": self.label, "generation": self.generation,
-                       "start_s": round(time.time() - began, 1), "weights_redrawn": scan["weights_redrawn"],
-                       "kvcached_lines": len(scan["kvcached_lines"])})
-        return True
-
-    def kill9(self) -> None:
-        self.expect_exit = True
-        self.up.clear()
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=60)
-
-    def stop(self) -> None:
-        self.expect_exit = True
-        self.up.clear()
-        if self.process:
-            e2e.stop(self.process)
-
-
-def plan_faults(duration: float, shared: list[str]) -> list[dict]:
-    """When each fault of the shared phase starts (seconds into it) and on which server.
-    The kill takes the second shared server (the first stays up through everything), the
-    drained flush and the disconnects the first."""
-    first, second = shared[0], shared[1 % len(shared)]
-    return [
-        {"at": round(0.15 * duration, 1), "kind": "disconnects", "server": first},
-        {"at": round(0.25 * duration, 1), "kind": "flush-under-load", "server": first},
-        {"at": round(0.40 * duration, 1), "kind": "kill-9", "server": second},
-    ]
-
-
-def burst_owner(elapsed: float, period: float, live: list[str]) -> str | None:
-    """The server whose burst window this is: live shared servers in turn, `period` s each."""
-    if not live:
-        return None
-    return live[int(elapsed // period) % len(live)]
-
-
 class Soak:
+    """One run: the fleet, its load, its budget and its faults, phase by phase."""
+
     def __init__(self, opts):
         self.opts = opts
         self.out = Path(opts.out)
@@ -179,34 +73,23 @@ class Soak:
         self.logs = Path(opts.logs or self.out.with_name(self.out.stem + "-logs"))
         self.logs.mkdir(parents=True, exist_ok=True)
         self.events_path.write_text("")
-        self.journal = Journal(self.events_path, self.started)
         self.phase = "start"
-        self.stopping = threading.Event()
-        self.phase_stop = threading.Event()
-        self.counts = {"ok": 0, "mismatch": 0, "error": 0, "host": 0}
-        self.count_lock = threading.Lock()
-        self.reference: dict[tuple[str, str], list[int]] = {}
         self.cases = [matrix.CASES[m] for m in opts.models]
-        self.catalogues = {c.name: traffic.build_catalogue(opts.seed + i, c.vocab_size, self.shape())
-                           for i, c in enumerate(self.cases)}
-        self.servers: dict[str, Server] = {}
-        self.arbiter: kvc.Arbiter | None = None
-        self.instances: dict[str, kvc.Instance] = {}
-        self.boosted: str | None = None
-        self.shared_t0: float | None = None
-        self.faults_done: list[dict] = []
+        catalogues = {c.name: traffic.build_catalogue(opts.seed + i, c.vocab_size, self.shape())
+                      for i, c in enumerate(self.cases)}
+        self.fleet = fleets.Fleet({}, fleets.Journal(self.events_path, self.started))
+        self.load = traffic.Load(self.fleet, catalogues, opts)
+        self.budget: kvc.Budget | None = None
+        self.faults: faults.Faults | None = None
         self.small_host: str | None = None
-        self.sample_lock = threading.Lock()
         self.config = self.make_config()
 
     def shape(self) -> traffic.Shape:
         return traffic.Shape() if not self.opts.small_catalogue else traffic.Shape(
             prefixes=2, conversations=4, turns=2, long_prompts=2, short_prompts=2, long_tokens=(600, 900))
 
-    # ---- setup ----------------------------------------------------------------------
-
     def make_config(self) -> dict:
-        o = self.opts
+        o, cats = self.opts, self.load.catalogues
         return {"argv": sys.argv[1:], "models": o.models, "duration_s": o.duration, "ref_duration_s": o.ref_duration,
                 "clients": o.clients, "burst_clients": o.burst_clients, "burst_period_s": o.burst_period,
                 "max_total_tokens": o.max_total_tokens, "budget_fraction": o.budget_fraction,
@@ -215,70 +98,23 @@ class Soak:
                 "small_host_ratio": o.small_host_ratio, "max_new_tokens": o.max_new_tokens,
                 "abort_rate": o.abort_rate, "deterministic": not o.no_deterministic, "seed": o.seed,
                 "server_flags": o.server_flags, "env": o.env, "python": o.python,
-                "catalogue_tokens": {n: c.distinct_tokens() for n, c in self.catalogues.items()},
-                "catalogue_prompts": {n: len(c.prompts) for n, c in self.catalogues.items()},
-                "patches": e2e.patches_state()["digest"]}
+                "catalogue_tokens": {n: c.distinct_tokens() for n, c in cats.items()},
+                "catalogue_prompts": {n: len(c.prompts) for n, c in cats.items()},
+                "patches": patches_state()["digest"]}
 
-    def build_servers(self) -> None:
-        o = self.opts
-        specs = [(f"s{i}", "shared", case, True) for i, case in enumerate(self.cases)]
-        if not o.no_reference:
-            for case in dict.fromkeys(self.cases):
-                specs.append((f"ref-native-{case.name}", "ref-native", case, False))
-                specs.append((f"ref-kvcached-{case.name}", "ref-kvcached", case, True))
-        base = o.port or e2e.free_port_block(len(specs))
-        extra_flags = [f for chunk in o.server_flags for f in chunk.split()]
-        if not o.no_deterministic:
-            extra_flags.append("--enable-deterministic-inference")
-        extra_env = e2e.parse_env(o.env)
-        deep_gemm = self.needs_standin()
-        tag = f"soak{os.getpid() % 100000}"
-        for i, (label, role, case, on) in enumerate(specs):
-            port = base + 10 * i
-            small = role == "shared" and label == f"s{len(self.cases) - 1}" and o.small_host_ratio
-            plan = matrix.Plan(device_tokens=o.max_total_tokens,
-                               hicache_ratio=o.small_host_ratio if small else o.hicache_ratio)
-            variant = matrix.ELASTIC["contiguous"] if on else matrix.NATIVE
-            row = matrix.Row(case, matrix.HOST_LAYOUTS[0], False, variant, "match")
-            args = matrix.server_args(row, port, plan, [*extra_flags, "--nccl-port", str(port + 1)])
-            env = {**extra_env, **matrix.server_env(row)}
-            ipc = None
-            if on:
-                ipc = f"{tag}_{label}".replace(".", "-")
-                env["KVCACHED_IPC_NAME"] = ipc
-                env["KVCACHED_MAX_CACHED_TOKENS"] = str(o.max_cached_tokens)
-            if deep_gemm:
-                env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
-            path = [*([str(Path(o.native_path).resolve())] if (o.native_path and not on) else []),
-                    str(matrix.PLUGIN), os.environ.get("PYTHONPATH", ""),
-                    *([str(STANDIN_SITE)] if deep_gemm else [])]
-            process_env = {**os.environ, **env, "PYTHONPATH": ":".join(p for p in path if p)}
-            if o.gpu is not None:
-                process_env["CUDA_VISIBLE_DEVICES"] = o.gpu
-            command = e2e.launch_command("local", o.python, None, env, args, [])
-            self.servers[label] = Server(label, role, case, on, port, args, env, process_env, command,
-                                         self.logs / f"{label}.log", ipc)
-            if small:
-                self.small_host = label
-
-    def needs_standin(self) -> bool:
-        """deep_gemm (which SGLang's DeepSeek model file imports) missing from the servers'
-        environment: put the import-only stand-in on their path (ci/e2e/standin)."""
-        if not any(c.pool == "mla" for c in self.cases):
-            return False
-        probe = subprocess.run([self.opts.python, "-c", "import importlib.util as u; print(u.find_spec('deep_gemm') is None)"],
-                               capture_output=True, text=True, env={**os.environ, "ENABLE_KVCACHED": "false"})
-        return probe.stdout.strip() == "True"
+    @property
+    def journal(self) -> fleets.Journal:
+        return self.fleet.journal
 
     # ---- status and report ------------------------------------------------------------
 
     def status(self, done: bool = False, result: str | None = None) -> None:
-        with self.count_lock:
-            counts = dict(self.counts)
+        t0 = self.fleet.shared_t0
         state = {"pid": os.getpid(), "phase": self.phase, "elapsed_s": round(time.time() - self.started),
-                 "shared_elapsed_s": round(time.time() - self.shared_t0) if self.shared_t0 else None,
-                 "phase_answers": counts, "servers_up": [s.label for s in self.servers.values() if s.up.is_set()],
-                 "boosted": self.boosted, "faults_done": [f["kind"] for f in self.faults_done],
+                 "shared_elapsed_s": round(time.time() - t0) if t0 else None,
+                 "phase_answers": self.load.snapshot(), "servers_up": self.fleet.up(),
+                 "boosted": self.fleet.boosted,
+                 "faults_done": [f["kind"] for f in (self.faults.done if self.faults else [])],
                  "done": done, "result": result, "report": str(self.out), "events": str(self.events_path)}
         tmp = self.status_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -293,103 +129,24 @@ class Soak:
 
     def progress(self) -> None:
         last_report = time.time()
-        while not self.stopping.wait(self.opts.progress_every):
-            with self.count_lock:
-                c = dict(self.counts)
-            limits = ""
-            if self.arbiter:
-                limits = " limits MiB " + ", ".join(
-                    f"{i.server}={(kvc.read_instance(self.opts.shm_dir, i) or {}).get('limit', 0) >> 20}"
-                    for i in self.instances.values())
-            shared = f" {time.time() - self.shared_t0:.0f}/{self.opts.duration:.0f} s" if self.shared_t0 else ""
+        while not self.fleet.stopping.wait(self.opts.progress_every):
+            c = self.load.snapshot()
+            limits = f" limits MiB {self.budget.limits_mib()}" if self.budget and self.budget.arbiter else ""
+            t0 = self.fleet.shared_t0
+            shared = f" {time.time() - t0:.0f}/{self.opts.duration:.0f} s" if t0 else ""
             print(f"[{time.time() - self.started:5.0f} s] {self.phase}{shared}: answers {c['ok']} "
                   f"(host-hit tokens {c['host']}), differing {c['mismatch']}, errors {c['error']}, "
-                  f"burst {self.boosted}{limits}", flush=True)
+                  f"burst {self.fleet.boosted}{limits}", flush=True)
             self.status()
             if time.time() - last_report >= self.opts.report_every:
                 self.write_report()
                 last_report = time.time()
 
-    # ---- requests ---------------------------------------------------------------------
-
-    def request(self, server: Server, role: str, key: str, abort_after: float | None = None) -> dict:
-        cat = self.catalogues[server.case.name]
-        gen = server.generation
-        with server.lock:
-            server.inflight += 1
-        try:
-            rec = traffic.stream_generate(server.base, cat.prompts[key].ids, self.opts.max_new_tokens,
-                                          self.opts.request_timeout, abort_after)
-        finally:
-            with server.lock:
-                server.inflight -= 1
-        rec = {"type": "request", "role": role, "server": server.label, "model": server.case.name, "key": key,
-               "generation": gen, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}}
-        if rec["outcome"] == "error" and (server.expect_exit or gen != server.generation or not server.up.is_set()):
-            rec["expected_error"] = True      # lost to a kill of its server
-        ref = self.reference.get((server.case.name, key))
-        if rec["outcome"] == "ok" and ref is not None:
-            rec["match"] = rec["output_ids"] == ref
-        if role != "solo":
-            with self.count_lock:
-                if rec["outcome"] == "ok":
-                    self.counts["ok"] += 1
-                    self.counts["host"] += rec.get("host", 0)
-                    self.counts["mismatch"] += rec.get("match") is False
-                elif rec["outcome"] == "error" and not rec.get("expected_error"):
-                    self.counts["error"] += 1
-        self.journal.write(rec)
-        return rec
-
-    def client(self, server: Server, role: str, index: int, burst: bool, window: tuple[int, int],
-               t0: float) -> None:
-        """One client: sessions until the phase stops; a burst client only in its server's
-        burst window (window: this server's index and the number of windows)."""
-        rng = random.Random(f"{self.opts.seed}/{server.case.name}/{index}")
-        cat = self.catalogues[server.case.name]
-        mine, count = window
-        while not self.phase_stop.is_set():
-            if burst and role != "shared":
-                if int((time.time() - t0) // self.opts.burst_period) % count != mine:
-                    self.phase_stop.wait(0.2)
-                    continue
-            if burst and role == "shared" and self.boosted != server.label:
-                self.phase_stop.wait(0.2)
-                continue
-            if not server.up.is_set() or server.paused.is_set():
-                self.phase_stop.wait(0.2)
-                continue
-            for key in traffic.session(cat, rng):
-                if self.phase_stop.is_set() or not server.up.is_set() or server.paused.is_set():
-                    break
-                abort = rng.uniform(0.02, 0.3) if rng.random() < self.opts.abort_rate else None
-                self.request(server, role, key, abort)
-                time.sleep(rng.uniform(0, 0.05))
-
-    def run_clients(self, plan: list[tuple[Server, str, tuple[int, int]]], seconds: float,
-                    extra=None) -> None:
-        self.phase_stop.clear()
-        t0 = time.time()
-        threads = []
-        for server, role, window in plan:
-            for i in range(self.opts.clients + self.opts.burst_clients):
-                threads.append(threading.Thread(target=self.client, daemon=True,
-                                                args=(server, role, i, i >= self.opts.clients, window, t0)))
-        for t in threads:
-            t.start()
-        if extra:
-            extra(t0)
-        self.phase_stop.wait(max(0.0, seconds - (time.time() - t0)))
-        self.phase_stop.set()
-        for t in threads:
-            t.join(timeout=self.opts.request_timeout + 5)
-
     # ---- phases -----------------------------------------------------------------------
 
     def begin(self, phase: str) -> None:
         self.phase = phase
-        with self.count_lock:
-            self.counts = dict.fromkeys(self.counts, 0)
+        self.load.reset_counts()
         self.journal.write({"type": "phase", "phase": phase, "event": "begin"})
         print(f"[{time.time() - self.started:5.0f} s] phase {phase}", flush=True)
         self.status()
@@ -399,17 +156,8 @@ class Soak:
 
     def start_servers(self) -> bool:
         self.begin("start")
-        for s in self.servers.values():
-            s.launch(self.journal)
-        ready = {}
-        threads = [threading.Thread(target=lambda s=s: ready.__setitem__(s.label, s.wait_ready(
-            self.journal, self.opts.ready_timeout))) for s in self.servers.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        missing = self.fleet.start_all(self.opts.ready_timeout)
         self.end("start")
-        missing = [label for label, ok in ready.items() if not ok and self.servers[label].role == "shared"]
         if missing:
             print(f"shared server(s) not ready: {', '.join(missing)}; see {self.logs}", flush=True)
             return False
@@ -418,15 +166,7 @@ class Soak:
     def solo(self) -> None:
         """Each catalogue prompt answered alone by its model's native server."""
         self.begin("solo")
-
-        def one(server: Server):
-            for key in self.catalogues[server.case.name].prompts:
-                if self.stopping.is_set():
-                    return
-                rec = self.request(server, "solo", key)
-                if rec["outcome"] == "ok":
-                    self.reference.setdefault((server.case.name, key), rec["output_ids"])
-        threads = [threading.Thread(target=one, args=(s,)) for s in self.servers.values()
+        threads = [threading.Thread(target=self.load.solo, args=(s,)) for s in self.fleet.servers.values()
                    if s.role == "ref-native" and s.up.is_set()]
         for t in threads:
             t.start()
@@ -437,222 +177,52 @@ class Soak:
     def reference_load(self) -> None:
         n = len(self.cases)
         for i, case in enumerate(dict.fromkeys(self.cases)):
-            pair = [s for s in self.servers.values() if s.case is case and s.role in ("ref-native", "ref-kvcached")
-                    and s.up.is_set()]
-            if not pair or self.stopping.is_set():
+            pair = [s for s in self.fleet.servers.values()
+                    if s.case is case and s.role in ("ref-native", "ref-kvcached") and s.up.is_set()]
+            if not pair or self.fleet.stopping.is_set():
                 continue
             self.begin(f"reference-{case.name}")
-            self.run_clients([(s, s.role, (i, n)) for s in pair], self.opts.ref_duration)
-            self.sample()
+            self.load.run_clients([(s, s.role, (i, n)) for s in pair], self.opts.ref_duration)
+            self.budget.sample()
             self.end(f"reference-{case.name}")
-        for s in self.servers.values():
+        for s in self.fleet.servers.values():
             if s.role == "ref-kvcached":
                 s.stop()
-
-    def sample(self) -> None:
-        """kvcached's counters of every instance; the arbiter's limits applied first."""
-        with self.sample_lock:
-            self._sample()
-
-    def _sample(self) -> None:
-        if self.arbiter:
-            live = [s.label for s in self.servers.values() if s.role == "shared" and s.up.is_set()]
-            if self.shared_t0 is not None:
-                self.boosted = burst_owner(time.time() - self.shared_t0, self.opts.burst_period, live)
-            boosted_inst = self.servers[self.boosted].ipc_name if self.boosted else None
-            self.arbiter.apply(boosted_inst)
-        counters = {}
-        for s in self.servers.values():
-            if not s.kvcached or s.ipc_name not in self.instances:
-                continue
-            inst = self.instances[s.ipc_name]
-            c = kvc.read_instance(self.opts.shm_dir, inst)
-            if c is not None:
-                counters[s.label] = {**c, "live": inst.live and s.up.is_set(), "role": s.role}
-        self.journal.write({"type": "sample", "instances": counters, "boosted": self.boosted})
-
-    def sampler(self) -> None:
-        while not self.stopping.wait(self.opts.sample_every):
-            try:
-                self.sample()
-            except OSError as exc:
-                self.journal.write({"type": "note", "what": f"sampling failed: {exc}"})
 
     def shared(self) -> None:
         o = self.opts
         self.begin("shared")
-        shared = [s for s in self.servers.values() if s.role == "shared"]
-        for s in shared:   # wants known from the first read of each instance's segments
-            kvc.read_instance(o.shm_dir, self.instances[s.ipc_name])
-        want = sum(self.instances[s.ipc_name].want() for s in shared)
-        budget = int(o.budget_fraction * want)
-        self.arbiter = kvc.Arbiter(o.shm_dir, [self.instances[s.ipc_name] for s in shared], budget, o.floor_tokens)
-        floors = {i.server: self.arbiter.floor(i) for i in self.arbiter.instances}
-        self.config.update({"budget_bytes": budget, "wants_bytes": {i.server: i.want() for i in self.arbiter.instances},
-                            "floors_bytes": floors, "reclaim_min_bytes": 2 << 20})
-        if budget <= sum(floors.values()) or not want:
+        shared = self.fleet.shared()
+        self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens), reclaim_min_bytes=2 << 20)
+        budget, floors = self.config["budget_bytes"], self.config["floors_bytes"]
+        if budget <= sum(floors.values()) or not sum(self.config["wants_bytes"].values()):
             self.journal.write({"type": "note", "what": f"budget {budget} B leaves no spare over the floors {floors}"})
         self.journal.write({"type": "budget", **{k: self.config[k] for k in ("budget_bytes", "wants_bytes", "floors_bytes",
                                                                           "reclaim_min_bytes")}})
-        self.shared_t0 = time.time()
-        self.sample()
+        self.fleet.shared_t0 = time.time()
+        self.budget.sample()
         if self.small_host:
-            self.small_host_fault()
-        faults = plan_faults(o.duration, [s.label for s in shared])
-        fault_threads = [threading.Thread(target=self.run_fault, args=(f,), daemon=True) for f in faults]
-        self.run_clients([(s, "shared", (i, len(shared))) for i, s in enumerate(shared)], o.duration,
-                         extra=lambda t0: [t.start() for t in fault_threads])
+            s = self.fleet.servers[self.small_host]
+            self.faults.small_host_pool(s, int(o.small_host_ratio * o.max_total_tokens),
+                                        self.config["catalogue_tokens"][s.case.name])
+        planned = faults.plan_faults(o.duration, [s.label for s in shared])
+        fault_threads = [threading.Thread(target=self.faults.run, args=(f,), daemon=True) for f in planned]
+        self.load.run_clients([(s, "shared", (i, len(shared))) for i, s in enumerate(shared)], o.duration,
+                              extra=lambda t0: [t.start() for t in fault_threads])
         self.end("shared")
         for t in fault_threads:
             t.join(timeout=o.restart_timeout + 60)
         if any(t.is_alive() for t in fault_threads):
             self.journal.write({"type": "note", "what": "faults still running after the shared phase"})
 
-    def small_host_fault(self) -> None:
-        s = self.servers[self.small_host]
-        host_tokens = int(self.opts.small_host_ratio * self.opts.max_total_tokens)
-        need = self.config["catalogue_tokens"][s.case.name]
-        self.faults_done.append(self.journal.write({
-            "type": "fault", "kind": "small-host-pool", "server": s.label, "at": 0,
-            "detail": {"hicache_ratio": self.opts.small_host_ratio, "host_tokens": host_tokens,
-                       "catalogue_tokens": need},
-            "ok": host_tokens < need, "why": "" if host_tokens < need else
-            f"host pool ({host_tokens} tokens) holds the whole catalogue ({need}): not too small"}))
-
-    # ---- faults -----------------------------------------------------------------------
-
-    def run_fault(self, f: dict) -> None:
-        """One fault at its time (its own thread), recorded with what followed it."""
-        delay = self.shared_t0 + f["at"] - time.time()
-        if self.phase_stop.wait(max(0.0, delay)) or self.stopping.is_set():
-            self.journal.write({"type": "fault", "kind": f["kind"], "server": f["server"], "at": f["at"],
-                                "ok": None, "why": "not reached: the phase ended first"})
-            return
-        server = self.servers[f["server"]]
-        self.journal.write({"type": "fault-begin", "kind": f["kind"], "server": server.label})
-        try:
-            rec = getattr(self, "fault_" + f["kind"].replace("-", "_").replace("9", "nine"))(server)
-        except Exception as exc:   # the run goes on; the fault says what broke
-            rec = {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
-        self.faults_done.append(self.journal.write({"type": "fault", "kind": f["kind"], "server": server.label,
-                                                    "at": f["at"], **rec}))
-
-    def observe(self) -> float:
-        """Seconds to watch what follows a fault: a tenth of the phase, 3 to 10."""
-        return min(10.0, max(3.0, self.opts.duration / 10))
-
-    def answers_since(self, server: str, t: float) -> dict:
-        """Answers of a server since journal time t, from the journal."""
-        out = {"ok": 0, "differ": 0, "errors": 0, "host_tokens": 0}
-        for e in verdict.read_journal(self.events_path):
-            if e.get("type") == "request" and e["server"] == server and e["t"] >= t and e["role"] != "solo":
-                if e["outcome"] == "ok":
-                    out["ok"] += 1
-                    out["differ"] += e.get("match") is False
-                    out["host_tokens"] += e.get("host", 0)
-                elif e["outcome"] == "error" and not e.get("expected_error"):
-                    out["errors"] += 1
-        return out
-
-    def fault_disconnects(self, server: Server) -> dict:
-        t = self.journal.now()
-        rng = random.Random(self.opts.seed)
-        keys = list(self.catalogues[server.case.name].prompts)
-        recs = []
-        threads = [threading.Thread(target=lambda k=k, a=a: recs.append(self.request(server, "shared", k, a)))
-                   for k, a in ((rng.choice(keys), rng.uniform(0.01, 0.2)) for _ in range(8))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        self.phase_stop.wait(self.observe())
-        after = self.answers_since(server.label, t)
-        alive = server.process.poll() is None
-        return {"detail": {"sent": 8, "aborted": sum(r["outcome"] == "aborted" for r in recs)},
-                "followed": {"server_alive": alive, **after},
-                "ok": alive and after["ok"] > 0 and not after["errors"],
-                "why": "" if alive and after["ok"] else "the server stopped answering after clients hung up"}
-
-    def fault_flush_under_load(self, server: Server) -> dict:
-        t = self.journal.now()
-        before = self.answers_since(server.label, max(0, t - self.observe()))
-        under = self.flush(server)
-        server.paused.set()
-        deadline = time.time() + 30
-        while server.inflight and time.time() < deadline:
-            time.sleep(0.05)
-        # SGLang flushes only when idle: with a timeout it waits for that (a request a client
-        # hung up on may still be running) instead of refusing at once
-        drained = self.flush(server, wait_s=10)
-        server.paused.clear()
-        t_after = self.journal.now()
-        self.phase_stop.wait(self.observe())
-        after = self.answers_since(server.label, t_after)
-        ok = drained.get("status") == 200 and after["ok"] > 0 and not after["errors"]
-        return {"detail": {"under_load": under, "drained": drained, "observed_s": self.observe()},
-                "followed": {"before": before, "after": after},
-                "ok": ok, "why": "" if ok else "flush after draining did not succeed, or the server did not answer after it"}
-
-    def flush(self, server: Server, wait_s: float = 0) -> dict:
-        t = time.time()
-        try:
-            body = e2e.post(f"{server.base}/flush_cache" + (f"?timeout={wait_s:g}" if wait_s else ""), {},
-                            timeout=60 + wait_s)
-            return {"status": 200, "body": str(body)[:200], "s": round(time.time() - t, 3)}
-        except urllib.error.HTTPError as exc:
-            return {"status": exc.code, "body": exc.read().decode(errors="replace")[:200]}
-        except (urllib.error.URLError, OSError) as exc:
-            return {"status": None, "body": f"{type(exc).__name__}: {exc}"}
-
-    def fault_kill_nine(self, server: Server) -> dict:
-        inst = self.instances[server.ipc_name]
-        others = [i for i in self.arbiter.instances if i is not inst]
-        before = {i.server: kvc.read_instance(self.opts.shm_dir, i) for i in self.arbiter.instances}
-        t_kill = self.journal.now()
-        server.kill9()
-        inst.live = False
-        removed = kvc.remove_segments(self.opts.shm_dir, inst.name)
-        inst.wants.clear()
-        self.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
-        # the others' limits rise at once (the arbiter's next tick); watch their use grow
-        peak = {i.server: 0 for i in others}
-        peak_limit = {i.server: 0 for i in others}
-        watch_until = time.time() + 2 * self.observe()
-        while time.time() < watch_until and not self.stopping.is_set():
-            for i in others:
-                c = kvc.read_instance(self.opts.shm_dir, i) or {}
-                peak[i.server] = max(peak[i.server], c.get("used", 0))
-                peak_limit[i.server] = max(peak_limit[i.server], c.get("limit", 0))
-            time.sleep(0.25)
-        survivors = {i.server: self.answers_since(i.server, t_kill) for i in others}
-        gained = {n: {"limit_before": (before.get(n) or {}).get("limit"), "limit_after": peak_limit[n],
-                      "used_before": (before.get(n) or {}).get("used"), "used_peak_after": peak[n]}
-                  for n in peak}
-        server.launch(self.journal)
-        began = time.time()
-        ready = server.wait_ready(self.journal, self.opts.restart_timeout)
-        restart_s = round(time.time() - began, 1)
-        if ready:
-            inst.live = True
-        grew = any((g["limit_after"] or 0) > (g["limit_before"] or 0) for g in gained.values())
-        ok = ready and grew and all(not v["errors"] for v in survivors.values())
-        why = [] if ready else [f"not ready again within {self.opts.restart_timeout:.0f} s"]
-        if not grew:
-            why.append("no survivor's kvcached limit rose after the kill")
-        why += [f"{n}: {v['errors']} failed requests after the kill" for n, v in survivors.items() if v["errors"]]
-        return {"detail": {"before": before, "segments_removed": removed},
-                "followed": {"survivors_counters": gained, "survivors_answers": survivors,
-                             "restart_s": restart_s, "ready_again": ready},
-                "ok": ok, "why": "; ".join(why)}
-
     def rejoin(self) -> None:
         """Answers of every restarted shared server, checked again after the run."""
-        for s in self.servers.values():
-            if s.role != "shared" or s.generation < 2 or not s.up.is_set():
+        for s in self.fleet.shared():
+            if s.generation < 2 or not s.up.is_set():
                 continue
             self.begin("rejoin")
-            keys = list(self.catalogues[s.case.name].prompts)[: self.opts.rejoin_prompts]
-            threads = [threading.Thread(target=lambda k=k: self.request(s, "rejoin", k)) for k in keys]
+            keys = list(self.load.catalogues[s.case.name].prompts)[: self.opts.rejoin_prompts]
+            threads = [threading.Thread(target=lambda k=k: self.load.request(s, "rejoin", k)) for k in keys]
             for i in range(0, len(threads), 4):
                 for th in threads[i:i + 4]:
                     th.start()
@@ -660,44 +230,28 @@ class Soak:
                     th.join()
             self.end("rejoin")
 
-    # ---- watching ---------------------------------------------------------------------
-
-    def watch(self) -> None:
-        """A server that exits without the harness killing it is a crash."""
-        seen = set()
-        while not self.stopping.wait(0.5):
-            for s in list(self.servers.values()):
-                p = s.process
-                if p is None or p.poll() is None or s.expect_exit or (s.label, s.generation) in seen:
-                    continue
-                seen.add((s.label, s.generation))
-                s.up.clear()
-                if s.kvcached and s.ipc_name in self.instances:
-                    self.instances[s.ipc_name].live = False
-                self.journal.write({"type": "server", "event": "died", "server": s.label, "returncode": p.returncode,
-                                    "generation": s.generation, **judge.scan_log(s.log.read_text(errors="replace"))})
-                print(f"[{time.time() - self.started:5.0f} s] server {s.label} died (exit {p.returncode})", flush=True)
-
     # ---- the run ----------------------------------------------------------------------
 
     def stop_all(self, *_):
         """SIGTERM/SIGINT: stop the phases; run() stops the servers and writes the report
         (a further signal meanwhile is ignored: raised there, it would cut that short)."""
-        if self.stopping.is_set():
+        if self.fleet.stopping.is_set():
             return
-        self.stopping.set()
-        self.phase_stop.set()
+        self.fleet.stopping.set()
+        self.fleet.phase_stop.set()
         raise Interrupted()
 
     def run(self) -> int:
+        o = self.opts
         self.journal.write({"type": "start", "config": self.config, "pid": os.getpid()})
-        self.build_servers()
-        for s in self.servers.values():
-            if s.kvcached:
-                kvc.remove_segments(self.opts.shm_dir, s.ipc_name)
-                self.instances[s.ipc_name] = kvc.Instance(s.ipc_name, s.label, self.opts.max_total_tokens)
+        self.fleet.servers, self.small_host = fleets.build(o, self.cases, self.logs)
+        self.budget = kvc.Budget(self.fleet, o.shm_dir, o.max_total_tokens, o.burst_period)
+        self.fleet.on_death = self.budget.lost
+        self.faults = faults.Faults(self.fleet, self.load, self.budget, o)
         threading.Thread(target=self.environment, daemon=True).start()
-        helpers = [threading.Thread(target=f, daemon=True) for f in (self.watch, self.progress, self.sampler)]
+        helpers = [threading.Thread(target=self.fleet.watch, daemon=True),
+                   threading.Thread(target=self.progress, daemon=True),
+                   threading.Thread(target=self.budget.sampler, args=(o.sample_every,), daemon=True)]
         for h in helpers:
             h.start()
         finished = False
@@ -707,7 +261,7 @@ class Soak:
                 self.reference_load()
                 self.shared()
                 self.rejoin()
-                self.sample()
+                self.budget.sample()
                 finished = True
             else:
                 self.journal.write({"type": "note", "what": "a shared server did not start: nothing ran"})
@@ -715,16 +269,10 @@ class Soak:
             self.journal.write({"type": "note", "what": "stopped by a signal"})
         finally:
             self.phase = "stopping"
-            self.stopping.set()
-            self.phase_stop.set()
-            stoppers = [threading.Thread(target=s.stop) for s in self.servers.values()]
-            for t in stoppers:
-                t.start()
-            for t in stoppers:
-                t.join()
-            for s in self.servers.values():
-                if s.kvcached:
-                    kvc.remove_segments(self.opts.shm_dir, s.ipc_name)
+            self.fleet.stopping.set()
+            self.fleet.phase_stop.set()
+            self.fleet.stop_all()
+            self.budget.clear()
         if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/e2e/real_kernels/setup.sh)
             self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(
                 os.environ["SGLK_REAL_LOG"], os.environ.get("SGLK_CALL_LOG"))})
@@ -737,10 +285,8 @@ class Soak:
         return 0 if report["result"] == "pass" else 1
 
     def environment(self) -> None:
-        ns = SimpleNamespace(launcher="local", python=self.opts.python, patched_path=str(ROOT / "build" / "none"),
-                             server_flags=self.opts.server_flags, env=self.opts.env)
         try:
-            self.journal.write({"type": "environment", **e2e.environment(ns)})
+            self.journal.write({"type": "environment", **fleets.environment(self.opts)})
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             self.journal.write({"type": "environment", "error": str(exc)})
 
@@ -808,7 +354,7 @@ def options(argv=None):
     if opts.burst_period is None:
         opts.burst_period = min(30.0, max(8.0, opts.duration / 8))
     try:
-        e2e.parse_env(opts.env)
+        servers.parse_env(opts.env)
     except ValueError as exc:
         ap.error(str(exc))
     return opts
@@ -849,12 +395,7 @@ def main(argv=None) -> int:
     if opts.detach:
         return detach(argv, Path(opts.out))
     soak = Soak(opts)
-    handlers = {sig: signal.signal(sig, soak.stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return soak.run()
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    return servers.with_signals(soak.stop_all, soak.run)
 
 
 if __name__ == "__main__":

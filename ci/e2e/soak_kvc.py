@@ -23,7 +23,9 @@ the rest of the budget (the spare) goes to one live instance at a time, in turn 
 whose clients are in their burst), so each instance must give pages back for the other to
 map them. A killed instance leaves the rotation and its floor goes to the others until it
 is back. `reclaims` reads the counters only: pages kvcached took back from an instance
-above its lowered limit that another then mapped above its own earlier limit.
+above its lowered limit that another then mapped above its own earlier limit. `Budget`
+runs it in a soak: the instances of a fleet's kvcached servers, the arbiter of the shared
+phase, and the counter samples it journals (the limits applied first).
 """
 from __future__ import annotations
 
@@ -31,9 +33,13 @@ import fcntl
 import os
 import re
 import struct
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from soak_traffic import burst_owner
 
 RECORD = struct.Struct("=qqq")        # total_size, used_size, prealloc_size (kvcached's MemInfoStruct)
 SHM_DIR = "/dev/shm"
@@ -168,6 +174,78 @@ class Arbiter:
         """A restarted instance writes its full size again: set it back."""
         rec = read_segment(os.path.join(self.shm_dir, seg))
         return rec is not None and rec[0] != share
+
+
+class Budget:
+    """A fleet's kvcached instances (soak_fleet.Fleet), its budget and its counter samples."""
+
+    def __init__(self, fleet, shm_dir: str, max_total_tokens: int, burst_period: float):
+        self.fleet, self.shm_dir, self.burst_period = fleet, shm_dir, burst_period
+        self.instances: dict[str, Instance] = {}
+        for s in fleet.servers.values():
+            if s.kvcached:
+                remove_segments(shm_dir, s.ipc_name)
+                self.instances[s.ipc_name] = Instance(s.ipc_name, s.label, max_total_tokens)
+        self.arbiter: Arbiter | None = None
+        self.lock = threading.Lock()
+
+    def instance(self, server) -> Instance:
+        return self.instances[server.ipc_name]
+
+    def read(self, server) -> dict | None:
+        return read_instance(self.shm_dir, self.instance(server))
+
+    def lost(self, server) -> None:
+        """A server died: its instance leaves the rotation until it is back."""
+        if server.kvcached and server.ipc_name in self.instances:
+            self.instances[server.ipc_name].live = False
+
+    def share(self, shared: list, fraction: float, floor_tokens: int) -> dict:
+        """Put the shared servers under one budget, `fraction` of what their pools want;
+        returns the budget, the wants and the floors (bytes)."""
+        for s in shared:   # wants known from the first read of each instance's segments
+            self.read(s)
+        insts = [self.instance(s) for s in shared]
+        want = sum(i.want() for i in insts)
+        budget = int(fraction * want)
+        self.arbiter = Arbiter(self.shm_dir, insts, budget, floor_tokens)
+        return {"budget_bytes": budget, "wants_bytes": {i.server: i.want() for i in insts},
+                "floors_bytes": {i.server: self.arbiter.floor(i) for i in insts}}
+
+    def sample(self) -> None:
+        """kvcached's counters of every instance; the arbiter's limits applied first."""
+        with self.lock:
+            fleet = self.fleet
+            if self.arbiter:
+                live = [s.label for s in fleet.shared() if s.up.is_set()]
+                if fleet.shared_t0 is not None:
+                    fleet.boosted = burst_owner(time.time() - fleet.shared_t0, self.burst_period, live)
+                self.arbiter.apply(fleet.servers[fleet.boosted].ipc_name if fleet.boosted else None)
+            counters = {}
+            for s in fleet.servers.values():
+                if not s.kvcached or s.ipc_name not in self.instances:
+                    continue
+                inst = self.instances[s.ipc_name]
+                c = read_instance(self.shm_dir, inst)
+                if c is not None:
+                    counters[s.label] = {**c, "live": inst.live and s.up.is_set(), "role": s.role}
+            fleet.journal.write({"type": "sample", "instances": counters, "boosted": fleet.boosted})
+
+    def sampler(self, every: float) -> None:
+        while not self.fleet.stopping.wait(every):
+            try:
+                self.sample()
+            except OSError as exc:
+                self.fleet.journal.write({"type": "note", "what": f"sampling failed: {exc}"})
+
+    def limits_mib(self) -> str:
+        return ", ".join(f"{i.server}={(read_instance(self.shm_dir, i) or {}).get('limit', 0) >> 20}"
+                         for i in self.instances.values())
+
+    def clear(self) -> None:
+        """The segments the instances leave behind."""
+        for name in self.instances:
+            remove_segments(self.shm_dir, name)
 
 
 def mapped(counters: dict) -> int:

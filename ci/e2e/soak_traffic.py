@@ -1,4 +1,4 @@
-"""Soak traffic: a fixed catalogue of token-id prompts per model, and one streamed request.
+"""Soak traffic: a fixed catalogue of token-id prompts per model, streamed requests, clients.
 
 The catalogue is finite and fixed by the seed, so that every prompt the load sends can be
 answered alone once on the reference server (the oracle, soak_verdict). It holds
@@ -7,7 +7,9 @@ each a user part and a fixed reply, + its own user part: every turn extends the 
 prompt), long prompts and short ones. Its distinct tokens exceed what the KV budget lets a
 server keep on the device, so prefixes are evicted to host and loaded back, again and
 again. Clients pick sessions (a whole conversation in order, a long or a short prompt) at
-random from their own seeded generator.
+random from their own seeded generator. `Load` runs them: every request journaled, its
+answer checked against the solo reference as it comes; always-on clients and burst clients
+(a shared server's only in its burst window, Fleet.boosted; a reference server's in turn).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import http.client
 import json
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -184,3 +187,128 @@ def assemble(chunks: list[dict], meta: dict) -> list[int] | None:
     if len(joined) == want:
         return joined
     return None
+
+
+def burst_owner(elapsed: float, period: float, live: list[str]) -> str | None:
+    """The server whose burst window this is: live shared servers in turn, `period` s each."""
+    if not live:
+        return None
+    return live[int(elapsed // period) % len(live)]
+
+
+def answers_since(events: list[dict], server: str, t: float) -> dict:
+    """A server's load answers (not solo) since journal time t."""
+    out = {"ok": 0, "differ": 0, "errors": 0, "host_tokens": 0}
+    for e in events:
+        if e.get("type") == "request" and e["server"] == server and e["t"] >= t and e["role"] != "solo":
+            if e["outcome"] == "ok":
+                out["ok"] += 1
+                out["differ"] += e.get("match") is False
+                out["host_tokens"] += e.get("host", 0)
+            elif e["outcome"] == "error" and not e.get("expected_error"):
+                out["errors"] += 1
+    return out
+
+
+class Load:
+    """Requests and clients over a fleet (soak_fleet.Fleet), one catalogue per model.
+
+    opts: seed, max_new_tokens, request_timeout, abort_rate, clients, burst_clients,
+    burst_period (the soak's options)."""
+
+    def __init__(self, fleet, catalogues: dict[str, Catalogue], opts):
+        self.fleet, self.catalogues, self.opts = fleet, catalogues, opts
+        self.reference: dict[tuple[str, str], list[int]] = {}   # (model, key) -> solo answer
+        self.counts = {"ok": 0, "mismatch": 0, "error": 0, "host": 0}
+        self.count_lock = threading.Lock()
+
+    def reset_counts(self) -> None:
+        with self.count_lock:
+            self.counts = dict.fromkeys(self.counts, 0)
+
+    def snapshot(self) -> dict:
+        with self.count_lock:
+            return dict(self.counts)
+
+    def request(self, server, role: str, key: str, abort_after: float | None = None) -> dict:
+        cat = self.catalogues[server.case.name]
+        gen = server.generation
+        with server.lock:
+            server.inflight += 1
+        try:
+            rec = stream_generate(server.base, cat.prompts[key].ids, self.opts.max_new_tokens,
+                                  self.opts.request_timeout, abort_after)
+        finally:
+            with server.lock:
+                server.inflight -= 1
+        rec = {"type": "request", "role": role, "server": server.label, "model": server.case.name, "key": key,
+               "generation": gen, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}}
+        if rec["outcome"] == "error" and (server.expect_exit or gen != server.generation or not server.up.is_set()):
+            rec["expected_error"] = True      # lost to a kill of its server
+        ref = self.reference.get((server.case.name, key))
+        if rec["outcome"] == "ok" and ref is not None:
+            rec["match"] = rec["output_ids"] == ref
+        if role != "solo":
+            with self.count_lock:
+                if rec["outcome"] == "ok":
+                    self.counts["ok"] += 1
+                    self.counts["host"] += rec.get("host", 0)
+                    self.counts["mismatch"] += rec.get("match") is False
+                elif rec["outcome"] == "error" and not rec.get("expected_error"):
+                    self.counts["error"] += 1
+        self.fleet.journal.write(rec)
+        return rec
+
+    def solo(self, server) -> None:
+        """Each catalogue prompt of the server's model answered alone: the references."""
+        for key in self.catalogues[server.case.name].prompts:
+            if self.fleet.stopping.is_set():
+                return
+            rec = self.request(server, "solo", key)
+            if rec["outcome"] == "ok":
+                self.reference.setdefault((server.case.name, key), rec["output_ids"])
+
+    def client(self, server, role: str, index: int, burst: bool, window: tuple[int, int], t0: float) -> None:
+        """One client: sessions until the phase stops; a burst client only in its server's
+        burst window (window: this server's index and the number of windows)."""
+        rng = random.Random(f"{self.opts.seed}/{server.case.name}/{index}")
+        cat = self.catalogues[server.case.name]
+        stop = self.fleet.phase_stop
+        mine, count = window
+        while not stop.is_set():
+            if burst and role != "shared":
+                if int((time.time() - t0) // self.opts.burst_period) % count != mine:
+                    stop.wait(0.2)
+                    continue
+            if burst and role == "shared" and self.fleet.boosted != server.label:
+                stop.wait(0.2)
+                continue
+            if not server.up.is_set() or server.paused.is_set():
+                stop.wait(0.2)
+                continue
+            for key in session(cat, rng):
+                if stop.is_set() or not server.up.is_set() or server.paused.is_set():
+                    break
+                abort = rng.uniform(0.02, 0.3) if rng.random() < self.opts.abort_rate else None
+                self.request(server, role, key, abort)
+                time.sleep(rng.uniform(0, 0.05))
+
+    def run_clients(self, plan: list[tuple], seconds: float, extra=None) -> None:
+        """Clients on each (server, role, window) of the plan for `seconds`; extra(t0) runs
+        once they started."""
+        stop = self.fleet.phase_stop
+        stop.clear()
+        t0 = time.time()
+        threads = []
+        for server, role, window in plan:
+            for i in range(self.opts.clients + self.opts.burst_clients):
+                threads.append(threading.Thread(target=self.client, daemon=True,
+                                                args=(server, role, i, i >= self.opts.clients, window, t0)))
+        for t in threads:
+            t.start()
+        if extra:
+            extra(t0)
+        stop.wait(max(0.0, seconds - (time.time() - t0)))
+        stop.set()
+        for t in threads:
+            t.join(timeout=self.opts.request_timeout + 5)

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
 sys.path.insert(0, str(ROOT / "ci" / "e2e"))
 import compare_servers as e2e  # noqa: E402
+import servers  # noqa: E402
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as verdict  # noqa: E402
 
@@ -443,27 +444,7 @@ def test_judge_checks_the_oracle_too():
     assert verdict.judge(orphan, 0.0) == ["c/page_first/elastic-contiguous: no served native run in this group"]
 
 
-def test_markdown_table():
-    rows = [row_dict("native"), row_dict("elastic-contiguous", kvcached="contiguous")]
-    verdict.judge(rows, 0.0)
-    table = verdict.markdown_table(rows).splitlines()
-    assert len(table) == 4 and table[0].count("|") == table[1].count("|") == table[2].count("|")
-    assert table[3] == ("| c | mha | 1 | contiguous | patched | page_first | - | matches native | 0 / 448 / 0 | 20 | 10 |")
-    assert "off (native)" in table[2]
-
-
 # ---------------------------------------------------------------- runner
-
-def test_launch_commands():
-    args = ["--model-path", "m"]
-    docker = e2e.launch_command("docker", "python3", "img:tag", {"ENABLE_KVCACHED": "true"}, args, ["0", "1"], ("/cfg",))
-    assert docker[:2] == ["docker", "run"] and '"device=0,1"' in docker and "/cfg:/cfg:ro" in docker
-    assert docker[docker.index("img:tag") + 1:] == ["python3", "-m", "sglang.launch_server", *args]
-    assert docker[docker.index("ENABLE_KVCACHED=true") - 1] == "-e"
-    assert e2e.launch_command("local", "/py", None, {}, args, ["0"]) == ["/py", "-m", "sglang.launch_server", *args]
-    with pytest.raises(ValueError, match="image"):
-        e2e.launch_command("docker", "python3", None, {}, args, ["0"])
-
 
 def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
@@ -472,18 +453,16 @@ def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         e2e.options(["--pool", "all", "--jobs", "0"])
     with pytest.raises(SystemExit, match="pristine-path"):
-        e2e.check_trees(e2e.options(["--pool", "mha", "--launcher", "local"]))
+        servers.check_trees(None, None)
 
 
 def test_trees_are_checked_with_the_series_status(tmp_path):
     pristine = ROOT / "build" / "sglang-wheel" / "python"
     if not (pristine / "sglang").is_dir():
         pytest.skip("no pristine tree at build/sglang-wheel (make sglang)")
-    assert e2e.tree_state(str(pristine)).endswith("series pristine")
-    opts = e2e.options(["--pool", "mha", "--launcher", "local", "--pristine-path", str(pristine),
-                        "--patched-path", str(pristine)])
+    assert servers.tree_state(str(pristine)).endswith("series pristine")
     with pytest.raises(SystemExit, match="expected 'series applied'"):
-        e2e.check_trees(opts)
+        servers.check_trees(str(pristine), str(pristine))
 
 
 def test_patches_state_tracks_every_listed_patch(tmp_path):
@@ -566,18 +545,6 @@ FAKE_SERVER = textwrap.dedent('''
 ''')
 
 
-free_port_block = e2e.free_port_block
-
-
-def test_stand_in_ports_lie_outside_the_ephemeral_range():
-    for ephemeral in ((32768, 60999), (1024, 60999), (10100, 65000)):
-        base = free_port_block(3, ephemeral)
-        assert base + 30 <= ephemeral[0] or base > ephemeral[1], (ephemeral, base)
-    assert free_port_block(3, (1024, 60999)) > 60999   # no room below: above it
-    with pytest.raises(RuntimeError, match="the ephemeral port range 1024-65535 leaves no block of 30 ports"):
-        free_port_block(3, (1024, 65535))
-
-
 @pytest.fixture
 def fake_trees(tmp_path, monkeypatch):
     for tree, patched in (("pristine", False), ("patched", True)):
@@ -585,9 +552,9 @@ def fake_trees(tmp_path, monkeypatch):
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").write_text(f"PATCHED = {patched}\n")
         (pkg / "launch_server.py").write_text(FAKE_SERVER)
-    monkeypatch.setattr(e2e, "check_trees", lambda opts: {"pristine": "fake", "patched": "fake"})
+    monkeypatch.setattr(e2e.servers, "check_trees", lambda pristine, patched: {"pristine": "fake", "patched": "fake"})
     monkeypatch.setattr(e2e, "environment", lambda opts: {"fake": True})
-    port = free_port_block(jobs=3)
+    port = servers.free_port_block(jobs=3)
     return ["--launcher", "local", "--pristine-path", str(tmp_path / "pristine"),
             "--patched-path", str(tmp_path / "patched"), "--case", "qwen2-tiny", "--host-layout", "page_first",
             "--jobs", "3", "--port", str(port), "--ready-timeout", "20", "--request-timeout", "30"]
@@ -764,16 +731,6 @@ def test_trained_scale_plugin_redraws_sglangs_dummy_weights():
     assert got["bias_max"] <= 1e-3 and got["cache_max"] <= 1e-3
 
 
-def test_results_doc_shows_the_committed_reports():
-    # docs/e2e-results.md's tables are what the committed reports say, judged again
-    doc = (e2e.ROOT / "docs" / "e2e-results.md").read_text()
-    reports = sorted((e2e.ROOT / "docs" / "runs" / "e2e").glob("*/report.json.gz"))
-    assert reports
-    for report in reports:
-        rows = e2e.read_rows(report, 0.0)
-        assert verdict.markdown_table(rows) in doc, f"{report.parent.name}: its table is not in docs/e2e-results.md"
-
-
 def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
     # the container sees the plugin folder (read-only) and has it on its PYTHONPATH
     started = []
@@ -787,8 +744,8 @@ def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
         def poll(self):
             return 1
 
-    monkeypatch.setattr(e2e.subprocess, "Popen", Exited)
-    monkeypatch.setattr(e2e, "stop", lambda process: None)
+    monkeypatch.setattr(servers.subprocess, "Popen", Exited)
+    monkeypatch.setattr(servers.Server, "stop", lambda self, grace=30: None)
     opts = e2e.options(["--launcher", "docker", "--case", "qwen2-tiny", "--out", str(tmp_path / "r.json"),
                         "--ready-timeout", "1"])
     runner = e2e.Runner(opts, matrix.Plan())

@@ -1,4 +1,4 @@
-"""The soak harness (ci/e2e/soak.py) against stand-in servers and stand-in kvcached counters.
+"""The soak harness (ci/e2e/soak*.py) against stand-in servers and stand-in kvcached counters.
 
 The stand-in server (tests/support/soak_fake_server.py, run as `python -m sglang.launch_server`) answers
 like SGLang's streamed /generate, keeps a device and a host cache under the kvcached limit
@@ -21,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ci" / "e2e"))
 import soak  # noqa: E402
+import soak_faults as faults  # noqa: E402
+import soak_fleet as fleets  # noqa: E402
 import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
@@ -289,12 +291,12 @@ def test_percentiles_are_nearest_rank():
 
 
 def test_faults_and_bursts_are_scheduled_in_the_shared_phase():
-    plan = soak.plan_faults(600, ["s0", "s1", "s2"])
+    plan = faults.plan_faults(600, ["s0", "s1", "s2"])
     assert [(f["at"], f["kind"], f["server"]) for f in plan] == [
         (90.0, "disconnects", "s0"), (150.0, "flush-under-load", "s0"), (240.0, "kill-9", "s1")]
-    assert all(0 < f["at"] < 600 for f in soak.plan_faults(60, ["s0", "s1"]))
-    assert [soak.burst_owner(t, 30, ["s0", "s1"]) for t in (0, 29, 30, 61, 95)] == ["s0", "s0", "s1", "s0", "s1"]
-    assert soak.burst_owner(40, 30, ["s0"]) == "s0" and soak.burst_owner(1, 30, []) is None
+    assert all(0 < f["at"] < 600 for f in faults.plan_faults(60, ["s0", "s1"]))
+    assert [traffic.burst_owner(t, 30, ["s0", "s1"]) for t in (0, 29, 30, 61, 95)] == ["s0", "s0", "s1", "s0", "s1"]
+    assert traffic.burst_owner(40, 30, ["s0"]) == "s0" and traffic.burst_owner(1, 30, []) is None
 
 
 def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
@@ -423,9 +425,9 @@ def test_a_restart_is_never_seen_as_a_crash_while_it_launches(tmp_path, monkeypa
     """The watcher reads (process, expect_exit, generation) while launch() runs: at no
     point may it see the killed process with expect_exit off (a crash that did not happen)."""
     case = soak.matrix.CASES["qwen2-tiny"]
-    server = soak.Server("s1", "shared", case, True, 1, [], {}, dict(os.environ), [sys.executable, "-c", "pass"],
-                         tmp_path / "s1.log", "x")
-    server.process = subprocess.Popen([sys.executable, "-c", "pass"])
+    server = fleets.FleetServer("s1", "shared", case, True, 1, [], {}, dict(os.environ),
+                                [sys.executable, "-c", "pass"], tmp_path / "s1.log", "x")
+    server.start()
     server.process.wait()
     server.expect_exit = True                     # as kill9() leaves it
     seen = []
@@ -435,11 +437,11 @@ def test_a_restart_is_never_seen_as_a_crash_while_it_launches(tmp_path, monkeypa
         p = server.process
         seen.append(p.poll() is not None and not server.expect_exit)
         return real_popen(*a, **kw)
-    monkeypatch.setattr(soak.subprocess, "Popen", watching_popen)
-    journal = soak.Journal(tmp_path / "j.jsonl", time.time())
+    monkeypatch.setattr(subprocess, "Popen", watching_popen)
+    journal = fleets.Journal(tmp_path / "j.jsonl", time.time())
     server.launch(journal)
     server.process.wait()
-    assert seen == [False] and server.generation == 1 and not server.expect_exit
+    assert seen == [False] and server.generation == 2 and not server.expect_exit
 
 
 def test_a_paused_server_gets_no_further_turn_of_a_conversation(tmp_path):
@@ -447,21 +449,21 @@ def test_a_paused_server_gets_no_further_turn_of_a_conversation(tmp_path):
     its next turn (it would race the flush), however many turns are left."""
     from types import SimpleNamespace
     case = soak.matrix.CASES["qwen2-tiny"]
-    server = soak.Server("s0", "shared", case, True, 1, [], {}, {}, [], tmp_path / "s0.log", "x")
+    server = fleets.FleetServer("s0", "shared", case, True, 1, [], {}, {}, [], tmp_path / "s0.log", "x")
     server.up.set()
     cat = traffic.build_catalogue(0, 1024, traffic.Shape(prefixes=1, conversations=1, turns=4, long_prompts=0,
                                                          short_prompts=0))
     sent = []
-    fake = SimpleNamespace(opts=SimpleNamespace(seed=0, burst_period=1, abort_rate=0), phase_stop=threading.Event(),
-                           catalogues={case.name: cat}, boosted=None)
+    fleet = SimpleNamespace(phase_stop=threading.Event(), boosted=None)
+    load = traffic.Load(fleet, {case.name: cat}, SimpleNamespace(seed=0, burst_period=1, abort_rate=0))
 
     def request(srv, role, key, abort=None):
         sent.append(key)
         srv.paused.set()                          # the flush begins after the first turn
-        threading.Timer(0.3, fake.phase_stop.set).start()
+        threading.Timer(0.3, fleet.phase_stop.set).start()
         return {"outcome": "ok"}
-    fake.request = request
-    soak.Soak.client(fake, server, "shared", 0, False, (0, 1), time.time())
+    load.request = request
+    load.client(server, "shared", 0, False, (0, 1), time.time())
     assert sent == ["c0t0"]
 
 
@@ -509,10 +511,10 @@ def test_a_second_signal_does_not_cut_the_cleanup_short():
     """The first SIGTERM stops the phases; one more while run() stops the servers and writes
     the report must not raise there (servers left running, no report)."""
     from types import SimpleNamespace
-    fake = SimpleNamespace(stopping=threading.Event(), phase_stop=threading.Event())
+    fake = SimpleNamespace(fleet=SimpleNamespace(stopping=threading.Event(), phase_stop=threading.Event()))
     with pytest.raises(soak.Interrupted):
         soak.Soak.stop_all(fake)
-    assert fake.stopping.is_set() and fake.phase_stop.is_set()
+    assert fake.fleet.stopping.is_set() and fake.fleet.phase_stop.is_set()
     soak.Soak.stop_all(fake)                      # the second: nothing raised
 
 

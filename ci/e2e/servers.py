@@ -1,0 +1,293 @@
+"""SGLang servers for the model-level harness: start, wait for, probe and stop them.
+
+One `Server` is one `python -m sglang.launch_server` process group (it leads its own
+session, so a stop reaches every process it started: scheduler, detokenizer, TP ranks):
+  start()       Popen with stdout and stderr to its log file (appended: a restart keeps
+                what the earlier process wrote), in the environment it was given;
+  wait_ready()  polls GET /health_generate (SGLang answers it once a generation ran)
+                until it answers, the process exits ("died at startup") or the timeout
+                passes ("not ready");
+  post()        a JSON request to it;
+  stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once.
+The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
+range, the launch command of the `local` (this host, a tree first on PYTHONPATH) and
+`docker` launchers, the process environment of a local server, whether a module it needs
+is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE options, the state of a
+tree (scripts/status) and what ran (GPU, driver, the versions a tree imports), and the
+image names pinned in sglang.pin.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+# an import-only deep_gemm (standin/README.md), for servers whose environment lacks it
+STANDIN_SITE = HERE / "standin" / "site"
+# what a request to a server that is starting, dying or gone raises
+UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
+
+
+def pinned(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
+    """sglang.pin's KEY=value lines (the file the Makefile includes)."""
+    pin = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and not key.startswith("#"):
+            pin[key] = value
+    return pin
+
+
+def official_image(pin: dict[str, str] | None = None) -> str:
+    """SGLang's official image by digest, as `make e2e` and the Dockerfile take it."""
+    pin = pin or pinned()
+    return f"{pin['SGLANG_IMAGE']}@{pin['SGLANG_IMAGE_DIGEST']}"
+
+
+def project_image(pin: dict[str, str] | None = None) -> str:
+    """The tag `make image` gives this project's image."""
+    return f"sglang-elastic-hicache:{(pin or pinned())['SGLANG_VERSION']}"
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum():
+            raise ValueError(f"--env takes KEY=VALUE, not {pair!r}")
+        env[key] = value
+    return env
+
+
+def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
+    """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
+    outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
+    ports, so a block inside that range can be taken between this check and the bind."""
+    low, high = ephemeral or map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    span = 10 * jobs
+    bases = [*range(10000, low - span, 100), *range(-(-(high + 1) // 100) * 100, 65536 - span, 100)]
+    if not bases:
+        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no block of {span} ports outside it")
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.choice(bases)
+        try:
+            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1)):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no free block of {span} ports outside the ephemeral range {low}-{high} in 200 tries")
+
+
+def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
+                   gpus: list[str], mounts: tuple[str, ...] = ()) -> list[str]:
+    """The command that starts one server: in a container (docker) or on this host (local)."""
+    serve = ["-m", "sglang.launch_server", *args]
+    if launcher == "local":
+        return [python, *serve]
+    if not image:
+        raise ValueError("--launcher docker needs an image for this variant")
+    command = ["docker", "run", "--rm", "--gpus", f'"device={",".join(gpus)}"', "--ipc=host", "--network=host",
+               "-v", f"{os.path.expanduser('~')}/.cache/huggingface:/root/.cache/huggingface"]
+    for mount in mounts:
+        command += ["-v", f"{mount}:{mount}:ro"]
+    for key, value in sorted(env.items()):
+        command += ["-e", f"{key}={value}"]
+    return [*command, image, "python3", *serve]
+
+
+def local_env(env: dict[str, str], first: list[str] = (), last: list[str] = (),
+              gpus: str | None = None) -> dict[str, str]:
+    """A local server's whole environment: the caller's, then `env`; PYTHONPATH is `first`
+    (e.g. the tree to import SGLang from), the caller's PYTHONPATH, then `last`."""
+    path = [*first, os.environ.get("PYTHONPATH", ""), *last]
+    out = {**os.environ, **env, "PYTHONPATH": ":".join(p for p in path if p)}
+    if gpus is not None:
+        out["CUDA_VISIBLE_DEVICES"] = gpus
+    return out
+
+
+def lacks(python: str, module: str, env: dict[str, str] | None = None) -> bool:
+    """Whether `python` (in `env`, default the caller's with kvcached off) cannot import `module`."""
+    probe = subprocess.run([python, "-c", f"import importlib.util as u; print(u.find_spec({module!r}) is None)"],
+                           capture_output=True, text=True, env=env or {**os.environ, "ENABLE_KVCACHED": "false"})
+    return probe.stdout.strip() == "True"
+
+
+def post(url: str, payload: dict | None, timeout: float) -> dict:
+    """POST JSON (payload None: GET); the JSON answer, or {"text": body} for plain text."""
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read().decode()
+    return json.loads(body) if body.strip().startswith(("{", "[")) else {"text": body}
+
+
+def stop(process: subprocess.Popen, grace: float = 30, kill_wait: float = 10) -> None:
+    """The process and every process it started (it leads its own process group): SIGTERM,
+    SIGKILL when it has not exited after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Server:
+    """One server process group on 127.0.0.1:port, its log and its environment."""
+
+    def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 process_env: dict[str, str] | None = None):
+        self.command, self.port, self.log = command, port, Path(log)
+        self.env = dict(env or {})            # what the run records: the server's own settings
+        self.process_env = process_env        # the process's whole environment (None: the caller's)
+        self.base = f"http://127.0.0.1:{port}"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, banner: str = "") -> subprocess.Popen:
+        self.starts += 1
+        with open(self.log, "a") as handle:
+            if banner:
+                handle.write(banner + "\n")
+                handle.flush()
+            self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT,
+                                            env=self.process_env, start_new_session=True)
+        return self.process
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float, poll: float = 1.0) -> str:
+        """'' once the server answers a generation; else why not ('died at startup', 'not ready')."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.running():
+                return "died at startup"
+            try:
+                self.post("/health_generate", None, timeout=30)
+                return ""
+            except UNREACHABLE:
+                time.sleep(poll)
+        return "not ready"
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Whether the process has exited within `timeout` seconds (a dying server takes a
+        moment to exit after its scheduler failed)."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return not self.running()
+
+    def post(self, path: str, payload: dict | None, timeout: float) -> dict:
+        return post(self.base + path, payload, timeout)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, grace: float = 30) -> None:
+        if self.process is not None:
+            stop(self.process, grace)
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+
+def stop_all(members) -> None:
+    """Stop servers side by side (each SIGTERM, SIGKILL after its grace)."""
+    stoppers = [threading.Thread(target=s.stop) for s in members]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+
+
+def with_signals(handler, run):
+    """run() with SIGTERM and SIGINT going to handler (a harness stops its servers and
+    writes what it has), the handlers before it back afterwards."""
+    handlers = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run()
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+
+
+def tree_state(path: str) -> str:
+    """scripts/status's first line for a folder holding sglang/ (series pristine/applied/...)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), path], capture_output=True, text=True)
+    return (proc.stdout.splitlines() or [proc.stderr.strip()])[0]
+
+
+def check_trees(pristine: str | None, patched: str | None) -> dict[str, str]:
+    """The local launcher's trees must be what their names say; else nothing runs."""
+    states = {}
+    for name, path, want in (("pristine", pristine, "series pristine"), ("patched", patched, "series applied")):
+        if not path or not (Path(path) / "sglang").is_dir():
+            raise SystemExit(f"--launcher local needs --{name}-path: a folder holding an sglang/ package "
+                             f"(ci/e2e/trees.sh makes one); got {path!r}")
+        states[name] = tree_state(path)
+        if not states[name].endswith(want):
+            raise SystemExit(f"--{name}-path {path}: scripts/status says '{states[name]}', expected '{want}'")
+    return states
+
+
+VERSIONS_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
+    "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
+    # a package unpacked without its dist-info (ci/e2e/real_kernels): its own version
+    "def real_sgl_kernel():\n"
+    " import sgl_kernel\n"
+    " return f'{sgl_kernel.__version__} (real ops, {os.path.dirname(sgl_kernel.__file__)})'\n"
+    "s = u.find_spec('sgl_kernel')\n"
+    "stand = bool(s and os.path.exists(os.path.join(os.path.dirname(s.origin), '_standin_ops.py')))\n"
+    "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda,"
+    " 'transformers': v('transformers'), 'triton': v('triton'), 'kvcached': v('kvcached'),"
+    " 'sgl_kernel': 'plain-torch stand-in (its Python wrappers, ops re-registered)' if stand"
+    " else v('sglang-kernel') or real_sgl_kernel()}))\n")
+
+
+def gpus() -> list[str]:
+    """nvidia-smi's name, driver and memory of each GPU; [] without one."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return smi.stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
+def versions(python: str, tree: str | None = None) -> dict | str:
+    """The versions a local server imports (SGLang from `tree` when given), or the probe's error."""
+    first = [str(Path(tree).resolve())] if tree else []
+    proc = subprocess.run([python, "-c", VERSIONS_PROBE], capture_output=True, text=True, timeout=300,
+                          env=local_env({"ENABLE_KVCACHED": "false"}, first))
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:]
+
+
+def machine(python: str, tree: str | None = None) -> dict:
+    """What a local run ran on: Python, the GPUs, the versions its servers import."""
+    return {"python": platform.python_version(), "launcher": "local", "gpus": gpus(),
+            "versions": versions(python, tree)}

@@ -186,7 +186,11 @@ class Runner:
         return result
 
     def traffic(self, server: servers.Server, row: matrix.Row) -> dict:
-        t = matrix.traffic(self.plan, row.case.vocab_size, row.l3)
+        requests = None
+        if row.case.prompts:  # real text, tokenized with the checkpoint's own tokenizer
+            import checkpoint
+            requests = checkpoint.tokenized_requests(Path(row.case.prompts), Path(row.case.model))
+        t = matrix.traffic(self.plan, row.case.vocab_size, row.l3, requests)
         timeout = self.opts.request_timeout
         passes = {"pass1": [generate(server, ids, self.plan, timeout) for ids in t.pass1]}
         for ids in t.filler:

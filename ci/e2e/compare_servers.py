@@ -134,7 +134,7 @@ class Runner:
         return result
 
     def serve(self, row: matrix.Row, slot: int) -> dict:
-        opts, plan = self.opts, self.plan
+        opts, plan = self.opts, row.case.plan_of(self.plan)
         port = opts.port + 10 * slot
         gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
         flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)])
@@ -190,12 +190,13 @@ class Runner:
         if row.case.prompts:  # real text, tokenized with the checkpoint's own tokenizer
             import checkpoint
             requests = checkpoint.tokenized_requests(Path(row.case.prompts), Path(row.case.model))
-        t = matrix.traffic(self.plan, row.case.vocab_size, row.l3, requests)
+        plan = row.case.plan_of(self.plan)
+        t = matrix.traffic(plan, row.case.vocab_size, row.l3, requests)
         timeout = self.opts.request_timeout
-        passes = {"pass1": [generate(server, ids, self.plan, timeout) for ids in t.pass1]}
+        passes = {"pass1": [generate(server, ids, plan, timeout) for ids in t.pass1]}
         for ids in t.filler:
-            generate(server, ids, self.plan, timeout)
-        passes["pass2"] = [generate(server, ids, self.plan, timeout) for ids in t.pass2]
+            generate(server, ids, plan, timeout)
+        passes["pass2"] = [generate(server, ids, plan, timeout) for ids in t.pass2]
         return passes
 
 

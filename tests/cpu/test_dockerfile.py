@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -249,37 +250,98 @@ def test_every_copy_source_is_in_the_build_context():
     assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
 
 
-def image_workdir(into: Path) -> Path:
-    """The image's project folder (its WORKDIR) as the Dockerfile fills it: every COPY's
-    files from the build context, which .dockerignore decides. Each COPY here copies a
-    path to the same path under WORKDIR (or a file to ./); anything else is refused."""
-    from tests.support.build_context import context_files
-    files = sorted(context_files(ROOT))
-    for source in [a for k, a in instructions() if k == "COPY"]:
-        src, dst = shlex.split(source)
-        assert dst in (src, "./"), f"COPY {source}: not laid out by this check"
-        for rel in files:
-            if rel == src or rel.startswith(src.rstrip("/") + "/"):
-                (into / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / rel, into / rel)
-    return into
+# The image's tests run in a copy of the image's project folder (tests/support/cpu_tier.py).
+
+def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_path):
+    """The copy `make test` runs the image's tests in: every file under each folder the
+    Dockerfile copies (bytecode aside), sglang.pin, and nothing of the rest."""
+    from tests.support.cpu_tier import lay_out
+    copied = set(lay_out(tmp_path / "opt"))
+    on_disk = {p.relative_to(tmp_path / "opt").as_posix() for p in (tmp_path / "opt").rglob("*") if p.is_file()}
+    assert copied == on_disk
+    expected = {"sglang.pin"} | {p.relative_to(ROOT).as_posix() for part in ("patches", "scripts", "tests", "ci", "bench")
+                                 for p in (ROOT / part).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert on_disk == expected
+    for absent in ("README.md", "Makefile", "Dockerfile", "docs", "requirements", ".ci", ".git"):
+        assert not (tmp_path / "opt" / absent).exists(), absent
 
 
-def test_the_image_tier_collects_in_what_the_image_copies(tmp_path):
-    """The defect a real build found: the CPU tier the image runs stopped at collection,
-    as tests/cpu/test_bench_tools.py imports bench/ and the image had no bench/. Here the
-    tier that scripts/install-into-python runs is collected in a folder that holds only
-    what the Dockerfile copies."""
-    installer = (ROOT / "scripts" / "install-into-python").read_text()
-    selection = "not project_files and not l3_store"
-    assert f'"-m", "{selection}", "tests/cpu"' in installer
-    work = image_workdir(tmp_path / "opt")
-    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-              if p and Path(p).resolve() != ROOT]  # SGLang's tree stays; this checkout does not
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *others]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-m", selection, "tests/cpu"], cwd=work, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+PLANTED = """\
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reads_the_readme():
+    assert (ROOT / "README.md").read_text() == "readme\\n"
+
+
+def test_a_program_it_starts_reads_the_readme():
+    subprocess.run(["cat", "README.md"], cwd=ROOT, check=True, capture_output=True)
+
+
+@pytest.mark.project_files
+def test_reads_the_readme_and_says_so():
+    assert (ROOT / "README.md").read_text() == "readme\\n"
+
+
+def test_reads_what_the_image_has():
+    assert (ROOT / "sglang.pin").read_text() == "pin\\n"
+"""
+
+
+def planted_project(root: Path) -> Path:
+    """A project whose image copies tests/ and sglang.pin, and whose tests read its README."""
+    (root / "tests" / "cpu").mkdir(parents=True)
+    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY tests/ tests/\nRUN true\n")
+    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n")
+    (root / "README.md").write_text("readme\n")
+    (root / "sglang.pin").write_text("pin\n")
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "cpu" / "__init__.py").write_text("")
+    (root / "tests" / "cpu" / "conftest.py").write_text(
+        "def pytest_configure(config):\n"
+        "    config.addinivalue_line('markers', 'project_files: x')\n"
+        "    config.addinivalue_line('markers', 'l3_store: x')\n")
+    (root / "tests" / "cpu" / "test_planted.py").write_text(PLANTED)
+    return root
+
+
+def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
+            "sys.exit(t.run_image_part(sys.argv[2:], Path(sys.argv[1])))")
+    return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_a_test_that_reads_a_file_the_image_lacks_fails_in_the_image_part(tmp_path):
+    """The class of defect a real build found twice (bench/ not copied; README.md and
+    docs/runs read by tests the image runs): the image part of `make test` fails such a
+    test, whether the test reads the file or a program it starts does; a test marked
+    project_files is left to the checkout part; the same tests pass in the checkout."""
+    root = planted_project(tmp_path / "project")
+    in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
+                                 cwd=root, capture_output=True, text=True)
+    assert in_checkout.returncode == 0 and "4 passed" in in_checkout.stdout, in_checkout.stdout
+    proc = run_tier(root, "-q")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 failed, 1 passed, 1 deselected" in proc.stdout, proc.stdout
+    failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED"))
+    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_reads_the_readme"]
+    assert "FileNotFoundError" in proc.stdout and "README.md" in proc.stdout
+    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/tests/cpu/test_planted.py"))  # the copy is gone
+
+
+def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):
+    from tests.support.cpu_tier import LayoutError, lay_out
+    root = planted_project(tmp_path / "project")
+    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./"):
+        (root / "Dockerfile").write_text(f"FROM base\n{line}\n")
+        with pytest.raises(LayoutError, match="not laid out by this copy"):
+            lay_out(tmp_path / line.replace(" ", "_").replace("/", "_"), root)
 
 
 def test_build_context_skips_other_stages_and_urls():
@@ -312,6 +374,22 @@ def test_build_context_skips_other_stages_and_urls():
 def test_dockerignore_rules(ignore, path, sent):
     from tests.support.build_context import excluded, parse_dockerignore
     assert excluded(path, parse_dockerignore(ignore)) is (not sent)
+
+
+@pytest.mark.parametrize("ignore", ["", "*\n!d/\n", "*\n!**/*.py\n", "d\n!d/e/keep.py\n", "d\n!d/e\n**/__pycache__\n",
+                                    "*\n![d]/e/\n", "*\n!d?/\n", "d/\n!d\\/e/keep.py\n"])
+def test_the_context_is_every_file_the_rules_let_in_though_left_out_folders_are_not_walked(tmp_path, ignore):
+    """context_files skips a left-out folder (a checkout's .venv) only where no exception
+    could let a path below it in: the result is the rules applied to every file."""
+    from tests.support.build_context import context_files, excluded, parse_dockerignore
+    for rel in ("a.py", "d/x.py", "d/e/keep.py", "d/e/f/g.txt", "d/__pycache__/x.pyc", "dd/y.py", "z/d/e/keep.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "d")  # a link to a folder is sent as the link
+    patterns = parse_dockerignore(ignore)
+    every = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file() or p.is_symlink()}
+    every = {f for f in every if not f.startswith("link/")} | {"link"}
+    assert context_files(tmp_path, ignore) == {f for f in every if not excluded(f, patterns)}
 
 
 def test_missing_sources_for_files_folders_and_globs(tmp_path):

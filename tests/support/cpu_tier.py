@@ -1,0 +1,145 @@
+"""The CPU tier (`make test`) in two parts that together run every test once, the first
+where the image's build runs it:
+
+    python -m tests.support.cpu_tier [--image-part] [PYTEST_ARGS...]
+
+1. the tests the image's build runs (`-m "not project_files and not l3_store"`, the
+   selection of scripts/install-into-python --run-cpu-tier), in a copy of the image's
+   project folder: the Dockerfile's COPY lines filled from the build context that
+   .dockerignore leaves (tests/support/build_context.py), in a temporary folder outside
+   any git checkout, as /opt/elastic-hicache is in the image;
+2. the rest (`project_files`, `l3_store`: checks of this project's own files, the
+   Mooncake tests), in the checkout.
+
+So a test that reads a file the image lacks (README.md, docs/, the Makefile, git
+history) without being marked `project_files` fails in `make test`, as it would in
+`make image`, whichever process reads it (the test's own, or a script, git or make
+that it starts): the file is not there. `--image-part` runs part 1 only; test files or
+ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y) narrow either part to them.
+
+The SGLang trees are the caller's: PYTHONPATH (less this checkout) and PRISTINE_SGLANG,
+as `make test` sets them. The wheel scripts/fetch-wheel keeps in build/cache is shared
+with the checkout, so that it is downloaded once.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.support.build_context import context_files, instructions
+
+ROOT = Path(__file__).resolve().parents[2]
+# What scripts/install-into-python runs inside the image (its --basetemp aside);
+# tests/cpu/test_install_into_python.py checks that the two agree.
+SELECTION = "not project_files and not l3_store"
+IMAGE_TIER = ["-m", SELECTION, "tests/cpu"]
+REST = ["-m", f"not ({SELECTION})", "tests/cpu"]
+CACHE = Path("build") / "cache"
+
+
+class LayoutError(Exception):
+    """A Dockerfile this copy cannot lay out as the image would."""
+
+
+def lay_out(into: Path, root: Path = ROOT) -> list[str]:
+    """Fill ``into`` as the Dockerfile's COPY lines fill the image's WORKDIR from the
+    build context of ``root``; returns the files copied (relative paths). Each COPY
+    must copy a context path to the same path under WORKDIR."""
+    files = sorted(context_files(root))
+    copied = []
+    for keyword, args in instructions((root / "Dockerfile").read_text()):
+        words = shlex.split(args) if keyword in ("COPY", "ADD") else []
+        same_place = len(words) == 2 and not words[0].startswith("--") and (
+            words[1] == words[0] or (words[1] == "./" and "/" not in words[0].rstrip("/")))
+        if keyword == "ADD" or (words and not same_place):
+            raise LayoutError(f"{keyword} {args}: not laid out by this copy (only COPY PATH PATH, or a top-level "
+                              "PATH to ./)")
+        if not words:
+            continue
+        src = words[0].rstrip("/")
+        for rel in files:
+            if rel == src or rel.startswith(src + "/"):
+                dest = into / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, dest, follow_symlinks=False)
+                copied.append(rel)
+    return copied
+
+
+def tier_env(work: Path, root: Path = ROOT) -> dict[str, str]:
+    """The caller's environment with ``root`` (and this checkout) off PYTHONPATH and ``work`` first on it
+    (as scripts/install-into-python puts the image's project folder first); relative
+    paths made absolute, since the tier runs in ``work``."""
+    env = dict(os.environ)
+    checkouts = {root.resolve(), ROOT}
+    others = [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() not in checkouts]
+    env["PYTHONPATH"] = os.pathsep.join([str(work), *others])
+    if env.get("PRISTINE_SGLANG"):
+        env["PRISTINE_SGLANG"] = str(Path(env["PRISTINE_SGLANG"]).resolve())
+    return env
+
+
+def _share(src: Path, dst: Path) -> None:
+    """Hard-link (or copy) into ``dst`` the files of ``src`` that it lacks."""
+    if not src.is_dir():
+        return
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and not (dst / path.name).exists():
+            try:
+                os.link(path, dst / path.name)
+            except OSError:
+                shutil.copy2(path, dst / path.name)
+
+
+def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | None = None) -> int:
+    """pytest over ``part`` (its -m selection and tests/cpu), or over the test files or
+    ids among ``args`` where there are some (tests/cpu/test_x.py::test_y)."""
+    paths = [a for a in args if not a.startswith("-") and (cwd / a.split("::")[0]).exists()]
+    selection = part[:-1] if paths else part
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, *selection],
+                          cwd=cwd, env=env).returncode
+
+
+def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
+    """Part 1: lay out the image's folder in a temporary one, run the image's tests there
+    with ``pytest_args`` added, remove the folder; pytest's exit status."""
+    work = Path(tempfile.mkdtemp(prefix="image-tier-")).resolve()
+    try:
+        if work.is_relative_to(root.resolve()):
+            raise LayoutError(f"the temporary folder {work} is inside {root}: set TMPDIR to a folder outside it")
+        work.chmod(0o755)  # as the image's WORKDIR: other users' tests read it (mkdtemp: 0700)
+        lay_out(work, root)
+        _share(root / CACHE, work / CACHE)
+        print(f"== the image's tests ({SELECTION}) in a copy of what the Dockerfile copies ({work})", flush=True)
+        status = pytest(pytest_args, IMAGE_TIER, work, tier_env(work, root))
+        _share(work / CACHE, root / CACHE)
+        return status
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--image-part"]:
+        return run_image_part(argv[1:])
+    first = run_image_part(argv)
+    print(f"== the rest ({REST[1]}) in the checkout", flush=True)
+    rest = pytest(argv, REST, ROOT)
+    if first or rest:
+        print(f"the CPU tier failed: the image's tests {'failed' if first else 'passed'}, "
+              f"the rest {'failed' if rest else 'passed'}", file=sys.stderr)
+    return first or rest
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

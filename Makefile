@@ -36,7 +36,7 @@ lint-venv:
 patched: venv
 	@pristine=$$(scripts/build-pristine --say) && rm -rf $(PATCHED) && mkdir -p $(PATCHED) && \
 	  cp -a "$$pristine/python" $(PATCHED)/python
-	scripts/apply $(PATCHED)
+	@scripts/apply $(PATCHED)
 	@$(MAKE) -s --no-print-directory import-check
 	@scripts/status $(PATCHED)
 
@@ -44,7 +44,7 @@ patched: venv
 # GPU ("Only CUDA, ... support ..."): on this CPU-only check that is expected, so those two
 # warnings are not shown; every other warning and any error is.
 import-check:
-	PYTHONPATH=$(PATCHED)/python $(VPY) -W "ignore:Only CUDA:UserWarning" -c "import sglang.srt.mem_cache.pool_host.mha, \
+	@PYTHONPATH=$(PATCHED)/python $(VPY) -W "ignore:Only CUDA:UserWarning" -c "import sglang.srt.mem_cache.pool_host.mha, \
 	  sglang.srt.mem_cache.pool_host.mla, sglang.srt.mem_cache.pool_host.mamba, \
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
 	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
@@ -52,10 +52,10 @@ import-check:
 # FORCE=1 (only 1) passes --force; SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
 FORCE_FLAG = $(if $(filter 1,$(FORCE)),--force)
 apply-patches:
-	SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
+	@SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 unapply-patches:
-	SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
+	@SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 # Prints the tree's state and succeeds whatever the state is (scripts/status exits 3 for a
 # tree without the whole series; a script that needs that exit code runs scripts/status).

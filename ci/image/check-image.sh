@@ -3,31 +3,34 @@
 # kvcached import, the patched modules import from the image's SGLang checkout and
 # scripts/status says the series is applied there, kvcached's autopatch swaps SGLang's
 # KV pools with ENABLE_KVCACHED=true (the image's default) and leaves them with false,
-# and SGLang's server entry point starts (--help). Stops at the first failed check.
+# and SGLang's server command starts (`sglang serve --help`, the entry point SGLang 0.5.20
+# recommends). Stops at the first failed check.
 #
 #   ci/image/check-image.sh [TAG]     (default sglang-elastic-hicache:<SGLANG_VERSION>)
 #
-# CONTAINER_ENGINE (docker or podman; default docker when its daemon answers, else
-# podman, as make image), IMAGE_RUN_FLAGS (e.g. ulimits).
+# CONTAINER_ENGINE, IMAGE_RUN_FLAGS: as ci/image/engine.sh picks them (docker when its
+# daemon answers, else podman, as make image; runc where crun refuses the host's cgroups;
+# the host's limits for containers).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=../../sglang.pin
 . "$root/sglang.pin"
 tag=${1:-sglang-elastic-hicache:$SGLANG_VERSION}
-engine=${CONTAINER_ENGINE:-$(docker info >/dev/null 2>&1 && echo docker || echo podman)}
-command -v "$engine" >/dev/null || { echo "error: container engine '$engine' not found (set CONTAINER_ENGINE)" >&2; exit 2; }
-"$engine" image inspect "$tag" >/dev/null 2>&1 || { echo "error: no image $tag (make image first)" >&2; exit 2; }
+# shellcheck source=engine.sh
+. "$root/ci/image/engine.sh"
+[ -z "$engine_error" ] || { echo "error: $engine_error" >&2; exit 2; }
+"${engine_cmd[@]}" image inspect "$tag" >/dev/null 2>&1 || { echo "error: no image $tag (make image first)" >&2; exit 2; }
 
 run() {  # run ENV_ASSIGNMENTS... -- COMMAND...: one container, its output shown
   local envs=()
   while [ "$1" != "--" ]; do envs+=(-e "$1"); shift; done
   shift
   # shellcheck disable=SC2086
-  "$engine" run --rm ${IMAGE_RUN_FLAGS:-} "${envs[@]}" "$tag" "$@"
+  "${engine_cmd[@]}" run --rm $run_flags "${envs[@]}" "$tag" "$@"
 }
 check() { printf '\n== %s\n' "$1"; }
 
-check "image $tag: $("$engine" image inspect --format '{{.Id}} {{.Size}}' "$tag")"
+check "image $tag: $("${engine_cmd[@]}" image inspect --format '{{.Id}} {{.Size}}' "$tag")"
 
 check "import sglang, kvcached"
 run -- python3 -c 'import importlib.metadata as m, sglang, kvcached, torch
@@ -52,8 +55,8 @@ run WANT=elastic -- python3 -c "$pools"
 check "kvcached's autopatch off (ENABLE_KVCACHED=false)"
 run ENABLE_KVCACHED=false WANT=sglang -- python3 -c "$pools"
 
-check "python3 -m sglang.launch_server --help"
-out=$(run -- python3 -m sglang.launch_server --help)
+check "sglang serve --help"
+out=$(run -- sglang serve --help)
 # Here-strings, not pipes: a reader that stops early (head, grep -q) would make the
 # writer's SIGPIPE fail the script under pipefail.
 head -n 5 <<< "$out"

@@ -9,10 +9,14 @@
 #
 #   ci/image/make-base.sh [TAG]      (default localhost/sglang-standin:v0.5.20-cu130)
 #
-# CONTAINER_ENGINE (docker or podman; default whichever is installed, podman first),
-# IMAGE_BUILD_FLAGS (default for podman: --isolation=chroot --format docker, as make image),
-# IMAGE_RUN_FLAGS (e.g. ulimits), BASE_WORK (rootfs tarball, wheelhouse and logs; default /var/tmp/sglang-standin), DEBIAN_SUITE (default trixie:
-# Python 3.13; Debian has no 3.12), DEBIAN_MIRROR.
+# Needs (Debian 12, as root): podman, buildah, runc and debootstrap (apt-get install podman
+# buildah runc debootstrap), PyPI, 40 GB free disk (docs/image.md).
+# CONTAINER_ENGINE, IMAGE_RUN_FLAGS: as ci/image/engine.sh picks them (docker when its
+# daemon answers, else podman; runc where crun refuses the host's cgroups; the host's
+# limits for containers), IMAGE_BUILD_FLAGS (default for podman: --isolation=chroot
+# --format docker, as make image), BASE_WORK (rootfs tarball, wheelhouse and logs;
+# default /var/tmp/sglang-standin), DEBIAN_SUITE (default trixie: Python 3.13; Debian has
+# no 3.12), DEBIAN_MIRROR.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 here="$root/ci/image"
@@ -25,8 +29,11 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 torch_version=2.13.0
 kernel_version=0.4.7
 toolkit_version=13.0.3.0   # PyPI's cuda-toolkit that torch 2.13.0's CUDA wheels belong to
-engine=${CONTAINER_ENGINE:-$(command -v podman >/dev/null && echo podman || echo docker)}
-command -v "$engine" >/dev/null || { echo "error: container engine '$engine' not found (set CONTAINER_ENGINE)" >&2; exit 2; }
+# shellcheck source=engine.sh
+. "$here/engine.sh"
+[ -z "$engine_error" ] || { echo "error: $engine_error" >&2; exit 2; }
+command -v debootstrap >/dev/null || [ -f "$work/rootfs-$suite.tar" ] \
+  || { echo "error: debootstrap not found (apt-get install debootstrap)" >&2; exit 2; }
 if [ -z "${IMAGE_BUILD_FLAGS+x}" ]; then
   IMAGE_BUILD_FLAGS=$([ "$(basename "$engine")" = podman ] && echo "--isolation=chroot --format docker" || true)
 fi
@@ -46,9 +53,11 @@ if [ ! -f "$work/rootfs-$suite.tar" ]; then
   rm -rf "$work/rootfs"
 fi
 stamp "import $os_image"
-"$engine" import "$work/rootfs-$suite.tar" "$os_image" >/dev/null
-pyver=$("$engine" run --rm ${IMAGE_RUN_FLAGS:-} "$os_image" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-glibc=$("$engine" run --rm ${IMAGE_RUN_FLAGS:-} "$os_image" python3 -c 'import os; print(os.confstr("CS_GNU_LIBC_VERSION").split()[1])')
+"${engine_cmd[@]}" import "$work/rootfs-$suite.tar" "$os_image" >/dev/null
+# shellcheck disable=SC2086
+pyver=$("${engine_cmd[@]}" run --rm $run_flags "$os_image" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# shellcheck disable=SC2086
+glibc=$("${engine_cmd[@]}" run --rm $run_flags "$os_image" python3 -c 'import os; print(os.confstr("CS_GNU_LIBC_VERSION").split()[1])')
 stamp "python $pyver, glibc $glibc"
 
 # 2. The wheelhouse: SGLang's own requirements (its wheel's METADATA), for this Python
@@ -99,7 +108,7 @@ ln "$work/wheels/"*.whl "$ctx/wheels/" 2>/dev/null || cp "$work/wheels/"*.whl "$
 # 3. The image.
 stamp "build $tag ($engine $IMAGE_BUILD_FLAGS)"
 # shellcheck disable=SC2086
-"$engine" build $IMAGE_BUILD_FLAGS --build-arg OS_IMAGE="$os_image" -t "$tag" -f "$ctx/Containerfile" "$ctx" \
+"${engine_cmd[@]}" build $IMAGE_BUILD_FLAGS --build-arg OS_IMAGE="$os_image" -t "$tag" -f "$ctx/Containerfile" "$ctx" \
   2>&1 | tee "$work/logs/build.log"
 stamp "built $tag"
-"$engine" image inspect --format '{{.Id}} {{.Size}}' "$tag"
+"${engine_cmd[@]}" image inspect --format '{{.Id}} {{.Size}}' "$tag"

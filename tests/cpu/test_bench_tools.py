@@ -829,6 +829,7 @@ def test_host_pools_are_sized_for_the_largest_batch_asked_for(monkeypatch):
         -(-default // (2 << 20))
 
 
+@pytest.mark.project_files  # README.md is not in the image
 def test_readme_performance_table_is_the_committed_rounds():
     """README's performance table: kvcached-contiguous GB/s (native's in brackets) of the
     committed three-round run, medians as merge_rounds takes them, to one decimal."""

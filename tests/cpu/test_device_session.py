@@ -13,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSION = ROOT / "tests" / "gpu" / "device_session.sh"
-PATCHED = ROOT / "build" / "sglang-patched" / "python" / "sglang"
 
 
 def series_state(python_dir: Path) -> str:
@@ -29,13 +28,23 @@ def run_session(site: Path, pristine: Path, out: Path) -> subprocess.CompletedPr
     return subprocess.run(["bash", str(SESSION), str(out)], capture_output=True, text=True, env=env, timeout=600)
 
 
+def patched_tree() -> Path:
+    """The tier's patched SGLang: where `sglang` imports from (under `make test`
+    build/sglang-patched, in the image its checkout)."""
+    import importlib.util
+    spec = importlib.util.find_spec("sglang")
+    if not spec or not spec.origin:
+        pytest.skip("no sglang on the path: `make test` puts the patched tree there")
+    package = Path(spec.origin).resolve().parent
+    assert series_state(package.parent) == "applied", f"{package}: the tier runs against the patched tree"
+    return package
+
+
 @pytest.fixture
 def patched_site(tmp_path):
-    if not PATCHED.is_dir():
-        pytest.skip("set by `make test`: build/sglang-patched, the patched tree")
     site = tmp_path / "site"
     site.mkdir()
-    shutil.copytree(PATCHED, site / "sglang", symlinks=True)
+    shutil.copytree(patched_tree(), site / "sglang", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     return site
 
 
@@ -50,7 +59,7 @@ def test_the_native_copy_of_a_patched_site_is_reversed(patched_site, tmp_path):
 def test_a_stale_patched_native_copy_is_reversed(patched_site, tmp_path):
     pristine = tmp_path / "pristine"
     pristine.mkdir()
-    shutil.copytree(PATCHED, pristine / "sglang", symlinks=True)
+    shutil.copytree(patched_tree(), pristine / "sglang", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     proc = run_session(patched_site, pristine, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert series_state(pristine) == "pristine"
@@ -59,7 +68,7 @@ def test_a_stale_patched_native_copy_is_reversed(patched_site, tmp_path):
 def test_a_native_copy_that_cannot_be_made_pristine_stops_the_session(patched_site, tmp_path):
     pristine = tmp_path / "pristine"
     pristine.mkdir()
-    shutil.copytree(PATCHED, pristine / "sglang", symlinks=True)
+    shutil.copytree(patched_tree(), pristine / "sglang", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     (pristine / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py").write_text("edited = True\n")
     proc = run_session(patched_site, pristine, tmp_path / "out")
     assert proc.returncode == 1

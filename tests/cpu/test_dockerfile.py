@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -213,10 +214,14 @@ def test_make_image_passes_the_build_args(arg):
 
 
 def make_image(*overrides: str) -> str:
-    """The commands `make image` would run (make -n), with the variables given."""
+    """The build command `make image` would run (make -n), with the variables given:
+    the engine's `build` and its arguments, as one line."""
     proc = subprocess.run(["make", "-s", "-n", "image", *overrides], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    builds = [line for line in proc.stdout.replace("\\\n", " ").splitlines() if "--build-arg" in line]
+    assert len(builds) == 1, proc.stdout
+    command = builds[0].rsplit("&& ", 1)[-1].split(" 2>&1 | tee ", 1)[0]
+    return " ".join(command.split()) + "\n"
 
 
 def test_make_image_with_docker_or_podman():
@@ -249,37 +254,116 @@ def test_every_copy_source_is_in_the_build_context():
     assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
 
 
-def image_workdir(into: Path) -> Path:
-    """The image's project folder (its WORKDIR) as the Dockerfile fills it: every COPY's
-    files from the build context, which .dockerignore decides. Each COPY here copies a
-    path to the same path under WORKDIR (or a file to ./); anything else is refused."""
-    from tests.support.build_context import context_files
-    files = sorted(context_files(ROOT))
-    for source in [a for k, a in instructions() if k == "COPY"]:
-        src, dst = shlex.split(source)
-        assert dst in (src, "./"), f"COPY {source}: not laid out by this check"
-        for rel in files:
-            if rel == src or rel.startswith(src.rstrip("/") + "/"):
-                (into / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / rel, into / rel)
-    return into
+# The image's tests run in a copy of the image's project folder (tests/support/cpu_tier.py).
+
+def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_path):
+    """The copy `make test` runs the image's tests in: every file under each folder the
+    Dockerfile copies (bytecode aside), sglang.pin, and nothing of the rest."""
+    from tests.support.cpu_tier import lay_out
+    copied = set(lay_out(tmp_path / "opt"))
+    on_disk = {p.relative_to(tmp_path / "opt").as_posix() for p in (tmp_path / "opt").rglob("*") if p.is_file()}
+    assert copied == on_disk
+    expected = {"sglang.pin"} | {p.relative_to(ROOT).as_posix() for part in ("patches", "scripts", "tests", "ci", "bench")
+                                 for p in (ROOT / part).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert on_disk == expected
+    for absent in ("README.md", "Makefile", "Dockerfile", "docs", "requirements", ".ci", ".git"):
+        assert not (tmp_path / "opt" / absent).exists(), absent
 
 
-def test_the_image_tier_collects_in_what_the_image_copies(tmp_path):
-    """The defect a real build found: the CPU tier the image runs stopped at collection,
-    as tests/cpu/test_bench_tools.py imports bench/ and the image had no bench/. Here the
-    tier that scripts/install-into-python runs is collected in a folder that holds only
-    what the Dockerfile copies."""
-    installer = (ROOT / "scripts" / "install-into-python").read_text()
-    selection = "not project_files and not l3_store"
-    assert f'"-m", "{selection}", "tests/cpu"' in installer
-    work = image_workdir(tmp_path / "opt")
-    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-              if p and Path(p).resolve() != ROOT]  # SGLang's tree stays; this checkout does not
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *others]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-m", selection, "tests/cpu"], cwd=work, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+PLANTED = """\
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reads_the_readme():
+    assert (ROOT / "README.md").read_text() == "readme\\n"
+
+
+def test_a_program_it_starts_reads_the_readme():
+    subprocess.run(["cat", "README.md"], cwd=ROOT, check=True, capture_output=True)
+
+
+@pytest.mark.project_files
+def test_reads_the_readme_and_says_so():
+    assert (ROOT / "README.md").read_text() == "readme\\n"
+
+
+def test_reads_what_the_image_has():
+    assert (ROOT / "sglang.pin").read_text() == "pin\\n"
+
+
+@pytest.mark.l3_store
+def test_left_to_the_checkout_part_too():
+    pass
+"""
+
+
+def planted_project(root: Path) -> Path:
+    """A project whose image copies tests/ and sglang.pin, and whose tests read its README
+    (in the build context, not copied)."""
+    (root / "tests" / "cpu").mkdir(parents=True)
+    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY tests/ tests/\nRUN true\n")
+    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n!README.md\n")
+    (root / "README.md").write_text("readme\n")
+    (root / "sglang.pin").write_text("pin\n")
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "cpu" / "__init__.py").write_text("")
+    (root / "tests" / "cpu" / "conftest.py").write_text(
+        "def pytest_configure(config):\n"
+        "    config.addinivalue_line('markers', 'project_files: x')\n"
+        "    config.addinivalue_line('markers', 'l3_store: x')\n")
+    (root / "tests" / "cpu" / "test_planted.py").write_text(PLANTED)
+    return root
+
+
+def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """tests/support/cpu_tier.py's main, for the project at ``root``."""
+    code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
+            "sys.exit(t.main(sys.argv[2:], Path(sys.argv[1])))")
+    return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_a_test_that_reads_a_file_the_image_lacks_fails_in_the_image_part(tmp_path):
+    """The class of defect a real build found twice (bench/ not copied; README.md and
+    docs/runs read by tests the image runs): the image part of `make test` fails such a
+    test, whether the test reads the file or a program it starts does; a test marked
+    project_files is left to the checkout part; the same tests pass in the checkout."""
+    root = planted_project(tmp_path / "project")
+    in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
+                                 cwd=root, capture_output=True, text=True)
+    assert in_checkout.returncode == 0 and "5 passed" in in_checkout.stdout, in_checkout.stdout
+    proc = run_tier(root, "--image-part", "-q")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
+    failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED"))
+    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_reads_the_readme"]
+    assert "FileNotFoundError" in proc.stdout and "README.md" in proc.stdout
+    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/tests/cpu/test_planted.py"))  # the copy is gone
+    # Marked project_files, the two run in the checkout part: every test once, all pass.
+    planted = root / "tests" / "cpu" / "test_planted.py"
+    planted.write_text(PLANTED.replace("\ndef test_reads_the_readme():", "\n@pytest.mark.project_files\ndef test_reads_the_readme():")
+                       .replace("\ndef test_a_program", "\n@pytest.mark.project_files\ndef test_a_program"))
+    both = run_tier(root, "-q")
+    assert both.returncode == 0, both.stdout + both.stderr
+    image_part, rest = both.stdout.split("== the rest", 1)
+    assert "1 passed, 4 deselected" in image_part and "4 passed, 1 deselected" in rest, both.stdout
+    # Tests named: each part runs those of its own; a part left with none is no failure.
+    named = run_tier(root, "-q", "tests/cpu/test_planted.py::test_reads_the_readme")
+    assert named.returncode == 0 and "1 deselected" in named.stdout and "1 passed" in named.stdout, named.stdout
+
+
+def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):
+    from tests.support.cpu_tier import LayoutError, lay_out
+    root = planted_project(tmp_path / "project")
+    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./"):
+        (root / "Dockerfile").write_text(f"FROM base\n{line}\n")
+        with pytest.raises(LayoutError, match="not laid out by this copy"):
+            lay_out(tmp_path / line.replace(" ", "_").replace("/", "_"), root)
 
 
 def test_build_context_skips_other_stages_and_urls():
@@ -312,6 +396,22 @@ def test_build_context_skips_other_stages_and_urls():
 def test_dockerignore_rules(ignore, path, sent):
     from tests.support.build_context import excluded, parse_dockerignore
     assert excluded(path, parse_dockerignore(ignore)) is (not sent)
+
+
+@pytest.mark.parametrize("ignore", ["", "*\n!d/\n", "*\n!**/*.py\n", "d\n!d/e/keep.py\n", "d\n!d/e\n**/__pycache__\n",
+                                    "*\n![d]/e/\n", "*\n!d?/\n", "d/\n!d\\/e/keep.py\n"])
+def test_the_context_is_every_file_the_rules_let_in_though_left_out_folders_are_not_walked(tmp_path, ignore):
+    """context_files skips a left-out folder (a checkout's .venv) only where no exception
+    could let a path below it in: the result is the rules applied to every file."""
+    from tests.support.build_context import context_files, excluded, parse_dockerignore
+    for rel in ("a.py", "d/x.py", "d/e/keep.py", "d/e/f/g.txt", "d/__pycache__/x.pyc", "dd/y.py", "z/d/e/keep.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "d")  # a link to a folder is sent as the link
+    patterns = parse_dockerignore(ignore)
+    every = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file() or p.is_symlink()}
+    every = {f for f in every if not f.startswith("link/")} | {"link"}
+    assert context_files(tmp_path, ignore) == {f for f in every if not excluded(f, patterns)}
 
 
 def test_missing_sources_for_files_folders_and_globs(tmp_path):
@@ -356,6 +456,18 @@ def test_base_requirements_and_pyproject(tmp_path):
     assert project["project"]["requires-python"] == ">=3.10"
     assert project["project"]["dependencies"] == reqs.stdout.splitlines()
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["sglang", "sglang.*"]
+    assert "scripts" not in project["project"]
+    # The wheel's commands (`sglang serve`, SGLang 0.5.20's entry point): from the
+    # entry_points.txt beside METADATA, so that the editable install makes them too.
+    (tmp_path / "entry_points.txt").write_text("[console_scripts]\nsglang = sglang.cli.main:main\n"
+                                               "killall_sglang = sglang.cli.killall:main\n\n[x.plugins]\nA = b:c\n")
+    project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
+    assert project["project"]["scripts"] == {"sglang": "sglang.cli.main:main", "killall_sglang": "sglang.cli.killall:main"}
+    assert project["project"]["entry-points"] == {"x.plugins": {"A": "b:c"}}
+    (tmp_path / "entry_points.txt").write_text("sglang = x\n")
+    bad_entry_points = base_wheels("pyproject", str(tmp_path / "METADATA"))
+    assert bad_entry_points.returncode == 2 and bad_entry_points.stderr.startswith("error: not an entry_points.txt file")
+    (tmp_path / "entry_points.txt").unlink()
     (tmp_path / "bad").write_text("hello\n")
     bad = base_wheels("requirements", str(tmp_path / "bad"))
     assert bad.returncode == 2 and bad.stderr == "error: not a wheel METADATA file (no Name or Version)\n"
@@ -402,3 +514,103 @@ def test_base_drops_what_cannot_resolve(tmp_path):
     out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
     assert out.returncode == 2 and out.stderr == "error: the pip log names no distribution it could not find\n"
     assert (tmp_path / "reqs").read_text() == "aiohttp\n"
+
+
+# ci/image/engine.sh: the engine `make image` and the image scripts use, and its fixes.
+ENGINE = ROOT / "ci" / "image" / "engine.sh"
+FAKE_PODMAN = """#!/bin/bash
+case "$1" in
+  info) echo "$FAKE_RUNTIME" ;;
+  --version|--runtime) echo "podman version 9.9.9" ;;
+esac
+"""
+# stat -fc %T PATH: the file system type; the cgroup mounts as FAKE_CGROUP says (v2, hybrid).
+FAKE_STAT = """#!/bin/bash
+case "$FAKE_CGROUP:${@: -1}" in
+  v2:/sys/fs/cgroup) echo cgroup2fs ;;
+  hybrid:/sys/fs/cgroup) echo tmpfs ;;
+  hybrid:/sys/fs/cgroup/unified) echo cgroup2fs ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[str, str]:
+    """A PATH with a podman whose runtime is ``runtime``, cgroups as ``cgroup`` says and
+    runc installed or not; nothing else of the host's container tools."""
+    bin_dir = tmp_path / f"bin-{runtime}-{cgroup}-{runc}"
+    bin_dir.mkdir()
+    for tool in ("cat", "grep", "head", "basename", "sed", "bash"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    for name, text in (("podman", FAKE_PODMAN), ("stat", FAKE_STAT)) + ((("runc", "#!/bin/sh\n"),) if runc else ()):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("IMAGE_RUN_FLAGS",)}
+    return dict(env, PATH=str(bin_dir), CONTAINER_ENGINE="podman", FAKE_RUNTIME=runtime, FAKE_CGROUP=cgroup)
+
+
+def sourced(env: dict[str, str]) -> list[str]:
+    """engine_cmd and run_flags as a script that sources engine.sh sees them."""
+    proc = subprocess.run(["/bin/bash", "-c", f'. {ENGINE}; echo "${{engine_cmd[*]}}"; echo "$run_flags"; '
+                           'echo "$engine_error"'], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("runtime, cgroup, runc, command", [
+    ("crun", "hybrid", True, "podman --runtime runc"),   # crun refuses hybrid cgroups: runc instead
+    ("crun", "v2", True, "podman"),                      # crun works on cgroups v2: kept
+    ("runc", "hybrid", True, "podman"),
+])
+def test_podman_runs_with_a_runtime_that_works_on_the_host(tmp_path, runtime, cgroup, runc, command):
+    env = engine_host(tmp_path, runtime, cgroup, runc)
+    assert sourced(env)[0] == command
+    check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.startswith("podman: podman version 9.9.9, runtime ")
+    assert ("runtime runc" in check.stdout) is (command != "podman" or runtime == "runc")
+
+
+def test_crun_on_hybrid_cgroups_without_runc_is_one_line_naming_the_fix(tmp_path):
+    env = engine_host(tmp_path, "crun", "hybrid", runc=False)
+    check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+    assert check.returncode == 2 and check.stdout == ""
+    assert check.stderr.count("\n") == 1 and "hybrid" in check.stderr and "apt-get install runc" in check.stderr
+
+
+def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
+    """As root, podman asks runc for open-file and process limits above what the host
+    allows (runc: "error setting rlimit type 7"): the scripts pass the host's hard limits,
+    processes no more than kernel.pid_max; IMAGE_RUN_FLAGS, even empty, replaces them."""
+    env = engine_host(tmp_path, "runc", "hybrid", runc=True)
+    limits = subprocess.run(["/bin/bash", "-c", "ulimit -Hn; ulimit -Hu"], capture_output=True, text=True).stdout.split()
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    nproc = pid_max if limits[1] == "unlimited" else min(int(limits[1]), pid_max)
+    nofile = "1048576" if limits[0] == "unlimited" else limits[0]
+    assert sourced(env)[1] == f"--ulimit nofile={nofile}:{nofile} --ulimit nproc={nproc}:{nproc}"
+    assert sourced(dict(env, IMAGE_RUN_FLAGS="--ulimit nofile=9:9"))[1] == "--ulimit nofile=9:9"
+    assert sourced(dict(env, IMAGE_RUN_FLAGS=""))[1] == ""
+
+
+def test_a_missing_engine_is_one_line(tmp_path):
+    env = engine_host(tmp_path, "runc", "v2", runc=True)
+    check = subprocess.run([str(ENGINE), "check"], env=dict(env, CONTAINER_ENGINE="no-such-engine"),
+                           capture_output=True, text=True)
+    assert check.returncode == 2 and check.stderr.count("\n") == 1
+    assert "'no-such-engine' not found" in check.stderr and "apt-get install podman buildah runc" in check.stderr
+
+
+@pytest.mark.parametrize("log, hint", [
+    ("ERROR: ... [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer", "CA bundle"),
+    ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
+    ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
+    ("ERROR: No matching distribution found for kvcached==0.1.6", None),
+])
+def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, log, hint):
+    (tmp_path / "build.log").write_text(f"STEP 1/20: FROM base\n{log}\n")
+    proc = subprocess.run([str(ENGINE), "explain", str(tmp_path / "build.log")], capture_output=True, text=True,
+                          env=engine_host(tmp_path, "runc", "v2", runc=True))
+    assert proc.returncode == 0 and proc.stdout == ""
+    if hint is None:
+        assert proc.stderr == ""
+    else:
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hint: ") and hint in proc.stderr

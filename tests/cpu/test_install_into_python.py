@@ -134,8 +134,8 @@ def test_an_interpreter_that_cannot_run_is_one_line(tmp_path, python):
 def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
     """Found by the image's build: the tier's pytest left its temporary folders in /tmp,
     over 500 MB in the image's layer. The tier must get a --basetemp that is removed
-    afterwards. Here a stand-in interpreter plays pytest (writes into --basetemp) and
-    passes everything else to the real one."""
+    afterwards. Here a stand-in interpreter plays pytest (writes into --basetemp, records
+    its arguments) and passes everything else to the real one."""
     site = copy_pristine(tmp_path / "site")
     temp, log = tmp_path / "temp", tmp_path / "pytest-args"
     temp.mkdir()
@@ -156,6 +156,9 @@ def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
     assert proc.returncode == 0, proc.stderr
     args = log.read_text().splitlines()
     assert "--basetemp" in args and Path(args[args.index("--basetemp") + 1]).is_relative_to(temp)
+    # The tests it runs are the ones `make test` runs in a copy of the image's folder.
+    from tests.support.cpu_tier import IMAGE_TIER
+    assert args[-len(IMAGE_TIER):] == IMAGE_TIER
     # The pristine copy and pytest's folders are gone (what SGLang's imports leave in
     # TMPDIR, e.g. a per-user folder, is theirs).
     assert [p.name for p in temp.iterdir() if p.name.startswith(("sglang-pristine-", "sglang-tier-"))] == []

@@ -161,6 +161,27 @@ def test_the_import_check_hides_only_the_gpu_warnings(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ImportError: a real error" in proc.stderr
 
 
+def test_the_tier_hides_only_the_gpu_warnings_too(tmp_path):
+    """`make test`'s warnings summary leaves out SGLang's AWQ/GGUF "Only CUDA ..." import
+    warnings, as the import check does (tests/cpu/conftest.py), and shows any other."""
+    (tmp_path / "test_warns.py").write_text(
+        "import warnings\n\n\ndef test_imports_the_quantization_modules():\n"
+        "    import sglang.srt.layers.quantization.awq.awq, sglang.srt.layers.quantization.gguf  # noqa: F401\n"
+        "    warnings.warn('another warning', UserWarning)\n")
+
+    def summary(*plugin: str) -> str:
+        path = os.pathsep.join(str(Path(p).resolve()) for p in os.environ["PYTHONPATH"].split(os.pathsep) if p)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, "test_warns.py"],
+                              cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    without = summary()  # the check can fail: with no filter, SGLang's two warnings are in the summary
+    assert "Only CUDA, HIP and XPU support AWQ" in without and "Only CUDA, MUSA and NPU support GGUF" in without
+    with_conftest = summary("-p", "tests.cpu.conftest")
+    assert "another warning" in with_conftest and "Only CUDA" not in with_conftest, with_conftest
+
+
 SCRIPTS = sorted([p for p in (ROOT / "scripts").iterdir() if not p.name.startswith("_") and os.access(p, os.X_OK)]
                  + list((ROOT / "ci" / "e2e").glob("*.sh")))
 
@@ -222,6 +243,21 @@ def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
     direct = subprocess.run([str(ROOT / "scripts" / "reverse"), str(tree)], capture_output=True, text=True)
     if force == "1":  # run directly, the script names its own option
         assert "pass --force to take the series out" in direct.stderr
+
+
+def test_make_shows_what_the_scripts_say_not_its_internal_lines(tmp_path):
+    """Without -s, `make apply-patches`, `unapply-patches` and `status` print what the
+    scripts print, not the command lines make runs them with (SERIES_FORCE_HINT=...)."""
+    from tests.support.series_trees import small_tree
+
+    tree = small_tree(tmp_path / "tree", "installed")
+    for target, first in (("apply-patches", "applied 10 patches"), ("status", "SGLang 0.5.20 at"),
+                          ("unapply-patches", "")):
+        proc = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), target, f"SGLANG_DIR={tree}"],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert "scripts/" not in proc.stdout.split(str(tree))[0] and "SERIES_FORCE_HINT" not in proc.stdout, proc.stdout
+        assert proc.stdout.startswith(first), proc.stdout
 
 
 def test_the_mooncake_tests_skip_with_a_reason_or_fail_where_required(monkeypatch):

@@ -12,6 +12,7 @@ pattern an exception; of all patterns that match a path, the last one decides.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -24,6 +25,14 @@ class Pattern:
     text: str
     exclusion: bool
     regex: re.Pattern
+    cleaned: str = ""
+
+    def may_match_below(self, directory: str) -> bool:
+        """Whether this pattern can match a path under ``directory``: a path it matches
+        starts with its text up to the first wildcard."""
+        literal = re.split(r"[*?\\[\\\\]", self.cleaned, maxsplit=1)[0]
+        below = directory + "/"
+        return literal.startswith(below) or below.startswith(literal)
 
     def matches(self, path: str) -> bool:
         """The path itself or any directory above it."""
@@ -76,7 +85,7 @@ def parse_dockerignore(text: str) -> list[Pattern]:
         cleaned = posixpath.normpath(line)
         if cleaned.startswith("/"):
             cleaned = cleaned.lstrip("/") or "."
-        patterns.append(Pattern(line, exclusion, _compile(cleaned)))
+        patterns.append(Pattern(line, exclusion, _compile(cleaned), cleaned))
     return patterns
 
 
@@ -89,16 +98,27 @@ def excluded(path: str, patterns: list[Pattern]) -> bool:
 
 
 def context_files(root: Path, ignore_text: str | None = None) -> set[str]:
-    """Every file (relative, '/'-separated) an engine sends from ``root``."""
+    """Every file (relative, '/'-separated) an engine sends from ``root``. A folder that
+    is left out, and under which no exception pattern could let a path in, is not
+    walked (a checkout's .venv holds some 100,000 files)."""
     if ignore_text is None:
         ignore = root / ".dockerignore"
         ignore_text = ignore.read_text() if ignore.exists() else ""
     patterns = parse_dockerignore(ignore_text)
+    exceptions = [p for p in patterns if p.exclusion]
     out = set()
-    for path in root.rglob("*"):
-        rel = path.relative_to(root).as_posix()
-        if (path.is_file() or path.is_symlink()) and not excluded(rel, patterns):
-            out.add(rel)
+    for top, dirs, names in os.walk(root):
+        base = Path(top).relative_to(root).as_posix()
+        prefix = "" if base == "." else base + "/"
+        kept = []
+        for name in dirs:
+            rel = prefix + name
+            if os.path.islink(os.path.join(top, name)):
+                names.append(name)  # sent as the link itself, not followed
+            elif not excluded(rel, patterns) or any(p.may_match_below(rel) for p in exceptions):
+                kept.append(name)
+        dirs[:] = kept
+        out.update(prefix + name for name in names if not excluded(prefix + name, patterns))
     return out
 
 

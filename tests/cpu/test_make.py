@@ -208,20 +208,40 @@ def test_make_status_prints_the_state_without_an_error(tmp_path):
 
 @pytest.mark.parametrize("force", ["0", "no", "1"])
 def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
-    from tests.support.series_trees import local, small_tree
+    from tests.support.series_trees import REAL, needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
 
-    tree = small_tree(tmp_path / "tree", "installed")
-    mamba = tree / local("installed", "python/sglang/srt/mem_cache/pool_host/mamba.py")
-    mamba.write_bytes(mamba.read_bytes() + b"# a local edit\n")
+    tree = REAL.tree(tmp_path / "tree", "installed")
+    edited = tree / "sglang" / REAL.files[0]
+    edited.write_bytes(edited.read_bytes() + b"# a local edit\n")
     proc = make("apply-patches", f"SGLANG_DIR={tree}", f"FORCE={force}")
     if force == "1":
-        assert proc.returncode == 0 and "applied 10 patches" in proc.stdout, proc.stderr
+        assert proc.returncode == 0 and f"applied {len(REAL.patches)} patches" in proc.stdout, proc.stderr
     else:
         assert proc.returncode != 0 and "pass FORCE=1 to apply the series over them" in proc.stderr
         assert "--force" not in proc.stderr
     direct = subprocess.run([str(ROOT / "scripts" / "reverse"), str(tree)], capture_output=True, text=True)
     if force == "1":  # run directly, the script names its own option
         assert "pass --force to take the series out" in direct.stderr
+
+
+def test_make_quotes_sglang_dir_and_lists_one_patch_a_line(tmp_path):
+    from tests.support.series_trees import REAL, digest
+
+    tree = REAL.tree(tmp_path / "a b", "installed")
+    before = digest(tree)
+    for target, expected in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "series applied"),
+                             ("unapply-patches", f"reversed {len(REAL.patches)} patches")):
+        proc = make(target, f"SGLANG_DIR={tree}")
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
+    assert digest(tree) == before
+    assert all(len(line) < 200 for line in proc.stdout.splitlines()), proc.stdout  # not all names on one line
+
+
+@pytest.mark.parametrize("value, expected", [("", "is an empty path, not a folder"), ("file", "is a file, not a folder")])
+def test_a_wrong_sglang_dir_is_named_as_what_it_is(tmp_path, value, expected):
+    (tmp_path / "file").write_text("")
+    proc = make("apply-patches", f"SGLANG_DIR={tmp_path / value if value else ''}")
+    assert proc.returncode != 0 and expected in proc.stderr, proc.stderr
 
 
 def test_the_mooncake_tests_skip_with_a_reason_or_fail_where_required(monkeypatch):

@@ -1,20 +1,18 @@
 """What the series scripts share: the pin, the series, the target tree, its record, the swap.
 
-A target is an upstream checkout (holds python/sglang/), an installed SGLang (holds sglang/:
-site-packages, /sgl-workspace/sglang/python) or the sglang package folder itself. Patches are
-git format-patch output whose index lines name each file's blob before and after; git apply,
-outside any repository and configuration, writes the bytes.
+A target is an upstream checkout (holds python/sglang/), an installed SGLang (holds sglang/)
+or the sglang package folder itself. Patches are git format-patch output whose index lines
+name each file's blob before and after; git apply, outside any repository and
+configuration, writes the bytes. The record, PACKAGE/.sglang-series/ (quilt's .pc/), holds
+record.json (series digest, patches, each file's sha256 before and after) and pristine/
+(the bytes apply replaced). A file the record does not vouch for is read from its bytes: a
+blob the index lines name holds exactly the first K of its patches; other bytes are local
+edits over the series (git apply -R applies) or under it (git apply applies), or conflict.
 
-The record, PACKAGE/.sglang-series/ (quilt's .pc/), holds record.json (the series digest,
-its patches, each file's sha256 before and after) and pristine/ (the bytes apply replaced).
-A file the record does not vouch for is read from its bytes: a blob the index lines name
-holds exactly the first K of its patches; other bytes are local edits, over the series
-(git apply -R applies) or under it (git apply applies), or conflicting.
-
-A change is all or none: old and new bytes are staged in PACKAGE/.sglang-series.tmp, which
-is renamed .swap (a stop from here on rolls back from its old/); the new files are renamed
-into place and .swap is renamed .done (the commit); then the record is swapped and .done
-removed. Every verb takes the tree's lock and first finishes what a stopped one left.
+A change is all or none: old and new bytes are staged in PACKAGE/.sglang-series.tmp, renamed
+.swap (a stop from here on rolls back from its old/); the new files are renamed into place,
+.swap is renamed .done (the commit), then the record is swapped and .done removed. Every
+verb takes the tree's lock and first finishes what a stopped one left.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
 SERIES_FILE = PATCH_DIR / "series"
-UPSTREAM_PREFIX = "python/"
 PACKAGE = "python/sglang/"  # every patched path starts so: git apply -p3 strips a/python/sglang/
 RECORD = ".sglang-series"
 LEFTOVERS = (".orig", ".rej")
@@ -46,17 +43,29 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+def cli(main, *args, interrupted: str = "interrupted (Ctrl-C) before anything was written; nothing changed") -> None:
+    """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
+    try:
+        sys.exit(main(*args))
+    except SeriesError as exc:
+        fail(str(exc), exc.code)
+    except KeyboardInterrupt:
+        fail(interrupted, 130)
+    except OSError as exc:
+        fail(f"{exc}; nothing changed" + ("; run as a user who can read and write the tree"
+                                          if isinstance(exc, PermissionError) else ""))
+
+
 def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
-    """sglang.pin: KEY=value lines (make includes the same file)."""
+    """sglang.pin: KEY=value lines, no quotes or spaces (make includes the same file)."""
     if not path.is_file():
         raise SeriesError(f"{path} is missing: it pins the SGLang release the series is for")
     pin = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
-            key, sep, value = line.partition("=")
-            if not sep or not re.fullmatch(r"[A-Z_]+", key) or not re.fullmatch(r"[^\s\"']+", value):
+            if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
                 raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
-            pin[key] = value
+            pin[match[1]] = match[2]
     for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
         if key not in pin:
             raise SeriesError(f"{path} does not set {key}")
@@ -92,27 +101,19 @@ def read_series(patches: Path = PATCH_DIR) -> list[Path]:
 
 def series_state(patches: Path = PATCH_DIR) -> dict:
     """The series' identity: the sha256 of patches/series and of each patch it lists, and
-    the digest of them all: the sha256 of `sha256sum series PATCH...`'s output."""
+    their digest, the sha256 of what `sha256sum series PATCH...` prints in patches/."""
     files = ["series"] + [p.name for p in read_series(patches)]
     sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
-    return {"digest": hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest(),
-            "files": sums}
-
-
-def touched_files(patch: Path) -> list[str]:
-    """Upstream paths (python/sglang/...) that a patch modifies."""
-    return re.findall(r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M)
+    return {"digest": hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest(), "files": sums}
 
 
 def patch_name(number: int, subject: str) -> str:
-    """NNNN-slug.patch: the subject's words joined by '-', cut at a word boundary to at
-    most 60 characters, not ending on a word such as 'a' or 'by'."""
-    words = [w for w in re.split(r"[^A-Za-z0-9_.]+", subject) if w.strip(".")]
-    kept: list[str] = []
+    """NNNN-slug.patch: the subject's words joined by '-', cut at a word boundary to at most
+    60 characters, not ending on a word such as 'a' or 'by'."""
+    words, kept = [w for w in re.split(r"[^A-Za-z0-9_.]+", subject) if w.strip(".")], []
     for word in words:
         if len("-".join(kept + [word])) > 60:
-            while len(kept) > 1 and kept[-1].lower() in {"a", "an", "and", "at", "by", "for", "from", "in", "of",
-                                                         "on", "or", "the", "to", "with"}:
+            while len(kept) > 1 and kept[-1].lower() in "a an and at by for from in of on or the to with".split():
                 kept.pop()
             break
         kept.append(word)
@@ -120,8 +121,8 @@ def patch_name(number: int, subject: str) -> str:
 
 
 def work_git(option: str | None):
-    """The work folder of import/export-patches (--work, else $SERIES_WORK, else build/work) and
-    a git runner in it (git am records a committer: any identity will do where none is set)."""
+    """import/export-patches' work folder (--work, else $SERIES_WORK, else build/work) and a
+    git runner in it (git am records a committer: any identity will do where none is set)."""
     work = Path(option or os.environ.get("SERIES_WORK") or ROOT / "build" / "work").resolve()
     env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}
 
@@ -150,7 +151,7 @@ def series_note() -> str:
 
 @dataclass
 class Section:
-    """One file's part of one patch; ``index``: the series' sections for that file before it."""
+    """One file's part of one patch; ``index``: how many of the series' sections for that file come before."""
     patch: str
     rel: str  # the path inside the sglang package
     old: str  # blob ids before and after (possibly abbreviated)
@@ -174,8 +175,7 @@ class Series:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
             for begin, end in zip(starts, starts[1:] + [len(data)]):
                 self._add(path.name, data[begin:end])
-        self.files = list(self.by_file)
-        self.digest = series_state(patches)["digest"]
+        self.files, self.digest = list(self.by_file), series_state(patches)["digest"]
 
     def _add(self, patch: str, text: bytes) -> None:
         head = text.split(b"\n@@", 1)[0].decode(errors="replace")
@@ -195,19 +195,21 @@ class Series:
 
 
 def git_apply(files: dict[str, bytes], sections: list[Section], reverse: bool = False) -> dict[str, bytes] | None:
-    """``files`` with ``sections`` applied (reverse: undone, last first) by git apply in a
-    scratch folder, outside any repository and configuration; None where they do not apply.
-    One git apply per layer (each file's first sections, then its second...): git apply -R
-    does not chain two patches of one file given at once."""
+    """``files`` with ``sections`` applied (reverse: undone, last first) by git apply in a scratch
+    folder, outside any repository and configuration; None where they do not apply. One git
+    apply per layer (every file's first section, then its second...): git apply -R does not
+    chain two patches of one file given at once."""
+    if not sections:
+        return dict(files)
+    if not shutil.which("git"):
+        raise SeriesError("git is missing: these scripts write the patched files with git apply; install git")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     with tempfile.TemporaryDirectory(prefix="sglang-series-") as tmp:
+        env.update(GIT_CEILING_DIRECTORIES=str(Path(tmp).parent), GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
         for rel, data in files.items():
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / rel).write_bytes(data)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-        env.update(GIT_CEILING_DIRECTORIES=str(Path(tmp).parent), GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
         for layer in sorted({s.index for s in sections}, reverse=reverse):
-            if shutil.which("git") is None:
-                raise SeriesError("git is missing: these scripts write the patched files with git apply; install git")
             if subprocess.run(["git", "-c", f"core.attributesFile={os.devnull}", "apply", "-p3", "--whitespace=nowarn",
                                *(["-R"] if reverse else [])], cwd=tmp, env=env, capture_output=True,
                               input=b"".join(s.text for s in sections if s.index == layer)).returncode != 0:
@@ -224,9 +226,9 @@ class Target:
     def package_dir(self) -> Path:
         return self.root / ("python/sglang" if self.layout == "checkout" else "sglang")
 
-    def show(self, *rels: str) -> str:
+    def show(self, *rels: str, sep: str = ", ") -> str:
         """Files as the user knows them: relative to the folder they named."""
-        return ", ".join(str((self.package_dir / rel).relative_to(self.root)) for rel in rels)
+        return sep.join(str((self.package_dir / rel).relative_to(self.root)) for rel in rels)
 
 
 def find_target(path: str) -> Target:
@@ -234,7 +236,7 @@ def find_target(path: str) -> Target:
              "or the sglang package folder itself")
     root = Path(path).resolve()
     if not str(path).strip() or (root.exists() and not root.is_dir()):
-        raise SeriesError(f"{path!r} is {'an empty path' if not str(path).strip() else 'a file'}, not a folder; {kinds}")
+        raise SeriesError(f"{path!r} is {'a file' if str(path).strip() else 'an empty path'}, not a folder; {kinds}")
     if not root.is_dir():
         raise SeriesError(f"{path}: no such directory")
     checkout, installed = (root / "python/sglang/__init__.py").is_file(), (root / "sglang/__init__.py").is_file()
@@ -250,26 +252,24 @@ def find_target(path: str) -> Target:
 
 
 def check_version(target: Target) -> str:
-    """The tree's SGLang version, from sglang/_version.py, else the dist-info whose RECORD
-    lists sglang/__init__.py, else (a bare checkout) its git commit; it must be the pin's."""
+    """The tree's SGLang version, from sglang/_version.py, else the dist-info whose RECORD lists
+    sglang/__init__.py, else (a bare checkout) its git commit; it must be the pin's."""
     version_file = target.package_dir / "_version.py"
-    found = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text() if version_file.is_file()
-                      else "", re.M)
-    version = found[1] if found else None
+    found = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text(), re.M) \
+        if version_file.is_file() else None
     infos = sorted(p for p in target.root.glob("*.dist-info") if p.name.lower().startswith("sglang-") and
                    (p / "RECORD").is_file() and ["sglang/__init__.py"] in
                    [row[:1] for row in csv.reader((p / "RECORD").read_text().splitlines())])
-    if not version and len(infos) > 1:
+    if not found and len(infos) > 1:
         raise SeriesError(f"{target.root} holds {len(infos)} dist-info folders that each claim sglang/ "
                           f"({', '.join(p.name for p in infos)}); remove the stale one(s) "
                           "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
-    if not version and infos and (infos[0] / "METADATA").is_file():
-        version = re.search(r"^Version: (\S+)", (infos[0] / "METADATA").read_text(errors="replace"), re.M)[1]
-    if not version:
-        head = subprocess.run(["git", "-C", str(target.package_dir), "rev-parse", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-        version = EXPECTED_VERSION if head == UPSTREAM_COMMIT else head and f"unknown (git commit {head})"
-    if not version:
+    if not found and infos and (infos[0] / "METADATA").is_file():
+        found = re.search(r"^Version: (\S+)", (infos[0] / "METADATA").read_text(errors="replace"), re.M)
+    head = "" if found else subprocess.run(["git", "-C", str(target.package_dir), "rev-parse", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip()
+    version = found[1] if found else EXPECTED_VERSION if head == UPSTREAM_COMMIT else f"unknown (git commit {head})"
+    if not found and not head:
         raise SeriesError(f"cannot tell the SGLang version of {target.package_dir}: no _version.py, no dist-info "
                           "and no git commit")
     if version.split("+", 1)[0] != EXPECTED_VERSION:
@@ -302,39 +302,38 @@ class Survey:
                 f.problem = f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink() else "missing"
                 continue
             f.data = path.read_bytes()
-            if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file():
+            if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
+                    and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
                 f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
-            exact[rel] = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
-            if exact[rel] is not None:
-                f.held = exact[rel]
+            f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
+            if f.held is not None:
+                exact[rel] = f.held
             elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
                 f.base, f.held, f.edited = undone[rel], len(sections), True
             elif sections and git_apply({rel: f.data}, sections) is not None:
                 f.base, f.held, f.edited = f.data, 0, True
             else:
                 f.problem = "conflicting"
-            if f.problem or f.edited:
-                del exact[rel]
         undone = git_apply({rel: self.files[rel].data for rel in exact},
                            [s for s in series.sections if s.index < exact.get(s.rel, 0)], reverse=True) or {}
         for rel in exact:
             self.files[rel].base = undone.get(rel)
             if rel not in undone or not blob(undone[rel]).startswith(series.by_file[rel][0].old):
-                self.files[rel].problem = "conflicting"  # not the blob the patch names: not SGLang's file
+                self.files[rel].problem, self.files[rel].held = "conflicting", None  # not the blob the patch names
         for rel, f in self.files.items():
             f.edited = f.edited or (f.base is not None and rel in series.by_file
                                     and not blob(f.base).startswith(series.by_file[rel][0].old))
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
         for name in series.patches:
             mine = [s for s in series.sections if s.patch == name]
-            if any(self.files[s.rel].held is None for s in mine):
-                self.patches.append((name, "conflicting", target.show(*{s.rel for s in mine if self.files[s.rel].problem})))
-                continue
-            held = sum(s.index < self.files[s.rel].held for s in mine)
-            self.patches.append((name, "applied" if held == len(mine) else "partly applied" if held else "not applied",
-                                 f"in {held} of {len(mine)} files" if 0 < held < len(mine) else ""))
+            held = sum(self.files[s.rel].held is not None and s.index < self.files[s.rel].held for s in mine)
+            self.patches.append(
+                (name, "conflicting", target.show(*{s.rel for s in mine if self.files[s.rel].problem}))
+                if any(self.files[s.rel].held is None for s in mine) else
+                (name, "applied" if held == len(mine) else "partly applied" if held else "not applied",
+                 f"in {held} of {len(mine)} files" if 0 < held < len(mine) else ""))
         states = {state for _, state, _ in self.patches}
         self.state = ("outdated" if self.outdated else "conflicting" if "conflicting" in states else
                       "applied" if states == {"applied"} else "pristine" if states == {"not applied"} else "partial")
@@ -346,27 +345,27 @@ class Survey:
         return [rel for rel, f in self.files.items() if f.edited]
 
     def foreign(self) -> list[Path]:
-        """What patch tools (and older versions of these scripts) leave beside the series' files."""
-        pkg = self.target.package_dir
-        near = [(pkg / rel).with_name(n) for rel in self.files for name in [Path(rel).name] for n in
-                [name + s for s in LEFTOVERS + (KEPT,)] + [f".{name}.sglang-series-old", f".{name}.sglang-series-new"]]
-        return [p for p in near + [pkg / ".sglang-series-journal"] if p.exists()]
+        """What patch tools (and older versions of these scripts) left beside the series' files."""
+        pkg, near = self.target.package_dir, [self.target.package_dir / ".sglang-series-journal"]
+        for rel in self.files:
+            name = Path(rel).name
+            near += [(pkg / rel).with_name(n) for n in [name + s for s in LEFTOVERS + (KEPT,)]
+                     + [f".{name}.sglang-series-old", f".{name}.sglang-series-new"]]
+        return [p for p in near if p.exists()]
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
-        links, missing, conflicting, edits = (self.having("symbolic link"), self.having("missing"),
-                                              self.having("conflicting"), self.edits())
+        links, bad, edits = self.having("symbolic link"), self.having("missing") or self.having("conflicting"), self.edits()
         if links:
             raise SeriesError("files the series changes are symbolic links, which apply and reverse would replace by "
                               f"regular files: {'; '.join(self.files[r].problem[15:] for r in links)}; nothing changed "
                               "(run on the tree that holds the real files, or replace each link by a copy: "
                               "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
-        if missing or conflicting:
-            why = (f"missing from {self.target.root}" if missing else f"hold neither SGLang {EXPECTED_VERSION}'s bytes, "
-                   "nor the series' over them, nor what these scripts wrote")
-            raise SeriesError(f"{self.target.show(*(missing or conflicting))} {why}; nothing changed: keep a copy of any "
-                              f"edits of your own, then {restore_hint(self.target, missing or conflicting)}"
-                              f"{'' if missing else series_note()}")
+        if bad:
+            why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote{series_note()}")
+            raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
+                              f"then {restore_hint(self.target, bad)}")
         if edits and not force:
             keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
             raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
@@ -388,7 +387,7 @@ def read_record(pkg: Path) -> dict | None:
 
 
 def restore_hint(target: Target, rels: list[str]) -> str:
-    shown = " ".join(target.show(rel) for rel in rels)
+    shown = target.show(*rels, sep=" ")
     return (f"restore {shown} from SGLang {EXPECTED_VERSION} (in a git checkout: git -C {target.root} checkout -- "
             f"{shown}; installed: pip install --force-reinstall --no-deps sglang=={EXPECTED_VERSION})")
 
@@ -424,8 +423,8 @@ def drop_bytecode(path: Path) -> None:
 
 
 def recover(pkg: Path) -> str | None:
-    """Finish what a stopped change left (the module doc); says what it did. Ctrl-C and
-    SIGTERM wait meanwhile."""
+    """Finish what a stopped change left (the module doc); says what it did. Ctrl-C and SIGTERM
+    are ignored meanwhile. A folder without its meta.json had only its removal left."""
     tmp, swap, done, record = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done", ""))
     if not (tmp.exists() or swap.exists() or done.exists()):
         return None
@@ -433,19 +432,18 @@ def recover(pkg: Path) -> str | None:
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
-        for folder in (swap, done):  # a folder without meta.json: only its removal was left
+        for folder in (swap, done):
             meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else None
-            if folder == swap and meta:
-                for rel, entry in meta["files"].items():
-                    path, old = pkg / rel, swap / "old" / rel
-                    current = sha(path.read_bytes()) if path.is_file() else None
-                    if current != entry["old"] and old.exists():
-                        if current not in (entry["new"], None):  # changed since the stop: kept, old bytes beside
-                            path = path.with_name(path.name + KEPT)
-                            notes.append(f"{pkg / rel} changed since; its bytes before the {meta['verb']} are in {path}")
-                        os.replace(old, path)
-                        drop_bytecode(path)
-            elif folder == done and meta:
+            for rel, entry in meta["files"].items() if folder == swap and meta else []:
+                path, old = pkg / rel, swap / "old" / rel
+                current = sha(path.read_bytes()) if path.is_file() else None
+                if current != entry["old"] and old.exists():
+                    if current not in (entry["new"], None):  # changed since the stop: left, its old bytes beside it
+                        path = path.with_name(path.name + KEPT)
+                        notes.append(f"{pkg / rel} changed since; its bytes before the {meta['verb']} are in {path}")
+                    os.replace(old, path)
+                    drop_bytecode(path)
+            if folder == done and meta:
                 if record.exists() and ((done / "record").exists() or meta["verb"] == "reverse"):
                     os.replace(record, done / "old-record")
                 if (done / "record").exists():
@@ -508,8 +506,8 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
 
 @contextlib.contextmanager
 def opened(path: str):
-    """What every verb does first: find the tree, take its lock, finish a stopped change,
-    check the version, read the series."""
+    """What every verb does first: find the tree, take its lock, finish a stopped change, check
+    the version, read the series and the tree."""
     target = find_target(path)
     fd = os.open(target.package_dir, os.O_RDONLY)
     try:
@@ -524,22 +522,19 @@ def opened(path: str):
                               f"access ({exc}): run this as its owner or root")
         if note:
             print(f"note: {target.package_dir}: {note}", file=sys.stderr)
-        yield target, check_version(target), Series()
+        version, series = check_version(target), Series()
+        found = Survey(target, series)
+        left = [str(p.relative_to(target.root)) for p in found.foreign() if p.name.endswith(LEFTOVERS)]
+        if left:
+            print(f"note: left by a patch tool, not part of SGLang, and kept: {', '.join(left)} (remove them when "
+                  "done with them)", file=sys.stderr)
+        yield target, version, series, found
     finally:
         os.close(fd)
 
 
-def leftovers_note(found: Survey) -> None:
-    left = [str(p.relative_to(found.target.root)) for p in found.foreign() if p.name.endswith(LEFTOVERS)]
-    if left:
-        print(f"note: left by a patch tool, not part of SGLang, and kept: {', '.join(left)} (remove them when done "
-              "with them)", file=sys.stderr)
-
-
 def apply(path: str, force: bool) -> int:
-    with opened(path) as (target, version, series):
-        found = Survey(target, series)
-        leftovers_note(found)
+    with opened(path) as (target, version, series, found):
         if found.state == "applied":
             print(f"series already applied to {target.package_dir} ({len(series.patches)} patches); nothing changed")
             return 0
@@ -558,15 +553,13 @@ def apply(path: str, force: bool) -> int:
         transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
                  (record, {rel: bases[rel] for rel in series.files}))
     print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
-    before = [name for name, state, _ in found.patches if state != "not applied" and not found.outdated]
-    print("".join(f"  already in before: {name}\n" for name in before), end="")
+    print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
+                  if state != "not applied" and not found.outdated), end="")
     return 0
 
 
 def reverse(path: str, force: bool) -> int:
-    with opened(path) as (target, version, series):
-        found = Survey(target, series)
-        leftovers_note(found)
+    with opened(path) as (target, version, series, found):
         if found.state == "pristine" and not found.record:
             print(f"series is not applied to {target.package_dir}; nothing changed")
             return 0
@@ -579,8 +572,8 @@ def reverse(path: str, force: bool) -> int:
 
 
 def status(path: str) -> int:
-    with opened(path) as (target, version, series):
-        found = Survey(target, series)
+    with opened(path) as (target, version, series, found):
+        pass
     print(f"SGLang {version} at {target.package_dir} ({target.layout} layout): series {found.state}")
     if found.outdated:
         print(f"  applied by scripts/apply from another patches/ (digest {found.record['digest'][:12]}, "
@@ -605,7 +598,7 @@ def _stop(signum, frame):
 
 
 def main(verb: str, doc: str) -> None:
-    """A verb's command line; a SeriesError becomes one 'error: ...' line and its exit code."""
+    """A verb's command line (scripts/apply, reverse, status)."""
     parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
@@ -615,13 +608,4 @@ def main(verb: str, doc: str) -> None:
     for signum in SIGNALS[1:]:
         signal.signal(signum, _stop)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
-    try:
-        sys.exit(status(args.target) if verb == "status" else globals()[verb](args.target, args.force))
-    except SeriesError as exc:
-        fail(str(exc), exc.code)
-    except KeyboardInterrupt:
-        fail("interrupted (Ctrl-C) before anything was written; nothing changed", 130)
-    except PermissionError as exc:
-        fail(f"{exc}; nothing changed: run as a user who can read and write the tree")
-    except OSError as exc:
-        fail(f"{exc}; nothing changed")
+    cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))

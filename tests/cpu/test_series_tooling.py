@@ -125,14 +125,14 @@ def test_a_missing_or_foreign_file_is_named_and_nothing_is_written(fake, tmp_pat
 def test_local_edits_are_refused_unless_forced_and_kept(fake, tmp_path, layout):
     tree = fake.tree(tmp_path / "tree", layout)
     edited = package(tree, layout) / fake.files[0]
-    edited.write_text(edited.read_text() + "# a local edit\n")
+    edited.write_text("# a local edit\n" + edited.read_text())
     before = digest(tree)
     proc = fake.run("apply", tree)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and digest(tree) == before
     assert f"local edits in files the series touches (they differ" in proc.stderr
     assert f": {edited.relative_to(tree)}; pass --force to apply the series over them" in proc.stderr
     assert fake.run("apply", "--force", tree).returncode == 0
-    assert edited.read_text().endswith("# a local edit\n") and "return 2 * 1" in edited.read_text()
+    assert edited.read_text().startswith("# a local edit\n") and "return 2 * 1" in edited.read_text()
     status = fake.run("status", tree)
     assert status.returncode == 0 and f"local edits (outside the series' changes): {edited.relative_to(tree)}" \
         in status.stdout

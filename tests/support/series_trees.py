@@ -65,8 +65,7 @@ class Series:
     @property
     def files(self) -> list[str]:
         """The files the series changes, relative to the sglang package."""
-        return list(dict.fromkeys(p[len(_series.PACKAGE):] for patch in self.patches
-                                  for p in _series.touched_files(patch)))
+        return _series.Series(self.root / "patches").files
 
     def run(self, script: str, *args, env: dict | None = None, traced: dict | None = None) -> subprocess.CompletedProcess:
         """One of its scripts; ``traced``: under tests/support/trace_run.py with these TRACE_* settings."""

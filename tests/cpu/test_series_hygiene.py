@@ -159,3 +159,14 @@ def test_what_git_apply_writes_is_checked_against_the_index_lines(fake, tmp_path
     before = digest(tree)
     proc = fake.run("apply", tree)
     assert proc.returncode == 1 and "other bytes than the index lines name" in proc.stderr and digest(tree) == before
+
+
+def test_the_series_digest_is_what_sha256sum_says_of_the_series(fake):
+    """One digest for the wheel's version, the record and the e2e reports: the sha256 of
+    `sha256sum series PATCH...` run in patches/, so that anyone can recompute it."""
+    names = (fake.root / "patches" / "series").read_text().split()
+    listing = subprocess.run(["sha256sum", "series", *names], cwd=fake.root / "patches", capture_output=True,
+                             check=True).stdout
+    state = _series.series_state(fake.root / "patches")
+    assert state["digest"] == __import__("hashlib").sha256(listing).hexdigest()
+    assert list(state["files"]) == ["series", *names]

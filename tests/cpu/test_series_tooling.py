@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -336,19 +337,52 @@ def test_a_missing_or_malformed_pin_is_one_line(fake, tmp_path, pin):
 
 
 def test_fetch_wheel_takes_only_a_wheel_for_the_interpreter_asked_for(fake, tmp_path):
-    """A cached wheel of another Python (make wheel PYTHON=python3.12 after a make with 3.11) is not reused."""
-    theirs = fake.root / "build" / "cache" / f"cpython-311-linux-x86_64"
-    theirs.mkdir(parents=True)
-    (theirs / "sglang-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl").write_text("")
-    python = tmp_path / "python3.12"
-    python.write_text("#!/bin/sh\n"  # a Python 3.12 that 'downloads' into pip's -d folder
-                      'case "$2" in *cache_tag*) echo cpython-312-linux-x86_64; exit 0;; esac\n'
-                      'while [ "$1" != -d ]; do shift; done; mkdir -p "$2"; touch "$2/sglang-0.5.20-cp312-cp312-manylinux_2_34_x86_64.whl"\n')
-    python.chmod(0o755)
-    proc = subprocess.run([str(fake.root / "scripts" / "fetch-wheel")], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHON=str(python)))
+    """`make wheel PYTHON=python3.12` after a `make` with Python 3.11: the cached cp311 wheel is
+    not taken for 3.12. The interpreters here report their tag and 'download' their wheel."""
+    def python(tag: str) -> Path:
+        exe = tmp_path / f"python-{tag}"
+        exe.write_text(f'#!/bin/sh\ncase "$2" in *cache_tag*) echo cpython-{tag}-linux-x86_64; exit 0;; esac\n'
+                       f'while [ "$1" != -d ]; do shift; done; mkdir -p "$2"\n'
+                       f'touch "$2/sglang-0.5.20-cp{tag}-cp{tag}-manylinux_2_34_x86_64.whl"\n')
+        exe.chmod(0o755)
+        return exe
+
+    def fetch(tag: str) -> str:
+        proc = subprocess.run([str(fake.root / "scripts" / "fetch-wheel")], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHON=str(python(tag))))
+        assert proc.returncode == 0, proc.stderr
+        return Path(proc.stdout.strip()).name
+
+    assert fetch("311") == "sglang-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"
+    assert fetch("312") == "sglang-0.5.20-cp312-cp312-manylinux_2_34_x86_64.whl"
+    assert fetch("311") == "sglang-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"  # from the cache
+
+
+def test_git_apply_ignores_the_users_git_configuration_and_repositories(fake, tmp_path):
+    """A ~/.gitconfig that rewrites line endings and whitespace, and a scratch folder inside a
+    git repository (where git apply would skip the files), change nothing of what apply writes."""
+    home, scratch = tmp_path / "home", tmp_path / "repository" / "tmp"
+    home.mkdir()
+    (home / ".gitconfig").write_text("[core]\n\tautocrlf = true\n[apply]\n\twhitespace = fix\n")
+    scratch.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(scratch.parent)], check=True)
+    tree = fake.tree(tmp_path / "tree")
+    proc = fake.run("apply", tree, env={"HOME": str(home), "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr
-    assert Path(proc.stdout.strip()).name == "sglang-0.5.20-cp312-cp312-manylinux_2_34_x86_64.whl"
-    again = subprocess.run([str(fake.root / "scripts" / "fetch-wheel")], capture_output=True, text=True,
-                           env=dict(os.environ, PYTHON=str(python)))
-    assert again.stdout == proc.stdout
+    assert digest(tree, record=False) == digest(fake.tree(tmp_path / "oracle", patched=True))
+    assert fake.run("reverse", tree, env={"HOME": str(home), "TMPDIR": str(scratch)}).returncode == 0
+
+
+def test_a_file_is_trusted_only_as_the_blob_the_series_names_for_sglangs_own(fake, tmp_path):
+    """A file whose bytes are the first patch's result, under a series whose index line names
+    another blob for SGLang's file: undoing the patch does not give that blob, so the file is
+    conflicting and nothing is written (the blob ids are how reverse knows it reached SGLang's bytes)."""
+    tree = fake.tree(tmp_path / "tree")
+    git_apply(tree, "installed", fake.patches[:1])
+    first = fake.patches[0]
+    old = re.search(r"^index ([0-9a-f]{40})\.\.", first.read_text(), re.M)[1]
+    first.write_text(first.read_text().replace(f"index {old}..", f"index {'1' * 40}..", 1))
+    before = digest(tree)
+    status = fake.run("status", tree)
+    assert status.returncode == 3 and "conflicting" in first_line(status), status.stdout
+    assert fake.run("reverse", tree).returncode == 1 and digest(tree) == before

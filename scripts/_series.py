@@ -1,18 +1,16 @@
 """What the series scripts share: the pin, the series, the target tree, its record, the swap.
 
-A target is an upstream checkout (holds python/sglang/), an installed SGLang (holds sglang/)
-or the sglang package folder itself. Patches are git format-patch output whose index lines
-name each file's blob before and after; git apply, outside any repository and
-configuration, writes the bytes. The record, PACKAGE/.sglang-series/ (quilt's .pc/), holds
-record.json (series digest, patches, each file's sha256 before and after) and pristine/
-(the bytes apply replaced). A file the record does not vouch for is read from its bytes: a
-blob the index lines name holds exactly the first K of its patches; other bytes are local
-edits over the series (git apply -R applies) or under it (git apply applies), or conflict.
-
-A change is all or none: old and new bytes are staged in PACKAGE/.sglang-series.tmp, renamed
-.swap (a stop from here on rolls back from its old/); the new files are renamed into place,
-.swap is renamed .done (the commit), then the record is swapped and .done removed. Every
-verb takes the tree's lock and first finishes what a stopped one left.
+Patches are git format-patch output whose index lines name each file's blob before and after;
+git apply, outside any repository and configuration, writes the bytes. The record,
+PACKAGE/.sglang-series/ (quilt's .pc/), holds record.json (series digest, patches, each file's
+sha256 before and after) and pristine/ (the bytes apply replaced). A file the record does not
+vouch for is read from its bytes: a blob the index lines name holds exactly the first K of its
+patches; other bytes are local edits over the series (git apply -R applies) or under it (git
+apply applies), or conflict. A change is all or none: old and new bytes are staged in
+PACKAGE/.sglang-series.tmp, renamed .swap (a stop from here on rolls back from its old/); the
+new files are renamed into place, .swap is renamed .done (the commit), then the record is
+swapped and .done removed. Every verb takes the tree's lock and first finishes what a stopped
+one left.
 """
 from __future__ import annotations
 
@@ -121,10 +119,9 @@ def patch_name(number: int, subject: str) -> str:
 
 
 def work_git(option: str | None):
-    """import/export-patches' work folder (--work, else $SERIES_WORK, else build/work) and a
-    git runner in it (git am records a committer: any identity will do where none is set)."""
+    """import/export-patches' work folder (--work, $SERIES_WORK, build/work) and a git runner in it."""
     work = Path(option or os.environ.get("SERIES_WORK") or ROOT / "build" / "work").resolve()
-    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}
+    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}  # git am
 
     def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(["git", "-C", str(work), *args], capture_output=True, text=True, env=env)
@@ -195,10 +192,9 @@ class Series:
 
 
 def git_apply(files: dict[str, bytes], sections: list[Section], reverse: bool = False) -> dict[str, bytes] | None:
-    """``files`` with ``sections`` applied (reverse: undone, last first) by git apply in a scratch
-    folder, outside any repository and configuration; None where they do not apply. One git
-    apply per layer (every file's first section, then its second...): git apply -R does not
-    chain two patches of one file given at once."""
+    """``files`` with ``sections`` applied (reverse: undone) by git apply in a scratch folder, outside
+    any repository and configuration; None where they do not apply. One git apply per layer (each
+    file's first section, then its second...): git apply -R does not chain one file's patches."""
     if not sections:
         return dict(files)
     if not shutil.which("git"):
@@ -252,8 +248,7 @@ def find_target(path: str) -> Target:
 
 
 def check_version(target: Target) -> str:
-    """The tree's SGLang version, from sglang/_version.py, else the dist-info whose RECORD lists
-    sglang/__init__.py, else (a bare checkout) its git commit; it must be the pin's."""
+    """The version from sglang/_version.py, else the dist-info owning sglang/, else the git commit."""
     version_file = target.package_dir / "_version.py"
     found = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text(), re.M) \
         if version_file.is_file() else None
@@ -346,12 +341,10 @@ class Survey:
 
     def foreign(self) -> list[Path]:
         """What patch tools (and older versions of these scripts) left beside the series' files."""
-        pkg, near = self.target.package_dir, [self.target.package_dir / ".sglang-series-journal"]
-        for rel in self.files:
-            name = Path(rel).name
-            near += [(pkg / rel).with_name(n) for n in [name + s for s in LEFTOVERS + (KEPT,)]
-                     + [f".{name}.sglang-series-old", f".{name}.sglang-series-new"]]
-        return [p for p in near if p.exists()]
+        pkg = self.target.package_dir
+        near = [(pkg / rel).with_name(dot + Path(rel).name + end) for rel in self.files for dot, end in
+                [("", end) for end in LEFTOVERS + (KEPT,)] + [(".", ".sglang-series-old"), (".", ".sglang-series-new")]]
+        return [p for p in near + [pkg / ".sglang-series-journal"] if p.exists()]
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
@@ -415,16 +408,15 @@ def _write(path: Path, data: bytes, like: os.stat_result | None = None) -> None:
 
 
 def drop_bytecode(path: Path) -> None:
-    """Remove a .py file's bytecode (any interpreter's, any level): no .pyc, however it is
-    checked, stands for its old bytes."""
+    """Remove a .py file's bytecode (any interpreter, any level): no .pyc stands for its old bytes."""
     for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc") if path.suffix == ".py" else []:
         if pyc.name.split(".")[0] == path.stem:
             pyc.unlink(missing_ok=True)
 
 
 def recover(pkg: Path) -> str | None:
-    """Finish what a stopped change left (the module doc); says what it did. Ctrl-C and SIGTERM
-    are ignored meanwhile. A folder without its meta.json had only its removal left."""
+    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did. (A folder
+    without its meta.json had only its removal left.)"""
     tmp, swap, done, record = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done", ""))
     if not (tmp.exists() or swap.exists() or done.exists()):
         return None
@@ -460,8 +452,7 @@ def recover(pkg: Path) -> str | None:
 
 
 def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict, dict[str, bytes]] | None) -> None:
-    """Write ``changes`` ({path in the package: new bytes}) and the record (None: removed), all
-    or none; on a stop, raise SeriesError saying which it was."""
+    """Write ``changes`` ({path: new bytes}) and the record (None: removed), all or none."""
     tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
     try:
         meta = {"verb": verb, "files": {}}
@@ -506,8 +497,7 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
 
 @contextlib.contextmanager
 def opened(path: str):
-    """What every verb does first: find the tree, take its lock, finish a stopped change, check
-    the version, read the series and the tree."""
+    """Every verb's start: the tree, its lock, a stopped change finished, the version, the survey."""
     target = find_target(path)
     fd = os.open(target.package_dir, os.O_RDONLY)
     try:

@@ -1,40 +1,31 @@
-"""Shared logic of the patch-series scripts: the pin, the series, the target tree.
+"""What the series scripts share: the pin, the series, the target tree, its record, the swap.
 
-The series lives in ``patches/series`` (one ``NNNN-subject.patch`` per line, in order);
-the SGLang release it is for is pinned in ``sglang.pin``. Patches carry upstream paths
-(``a/python/sglang/...``). A target is either
-
-* an upstream checkout: a folder holding ``python/sglang/``,
-* an installed SGLang: a folder holding ``sglang/`` directly, such as site-packages or
-  ``/sgl-workspace/sglang/python``, or
-* the ``sglang`` package folder itself (taken as installed in its parent folder).
-
-``survey`` reads what a target holds of the series, hunk by hunk (scripts/_hunks.py);
-scripts/apply and scripts/reverse then write the files they change in one journaled
-transaction (scripts/_journal.py), which every verb first recovers if one was cut short.
+Patches are git format-patch output whose index lines name each file's blob before and after;
+git apply, outside any repository and configuration, writes the bytes. The record,
+PACKAGE/.sglang-series/ (quilt's .pc/), holds record.json (series digest, patches, each file's
+sha256 before and after) and pristine/ (the bytes apply replaced). A file the record does not
+vouch for is read from its bytes: a blob the index lines name holds exactly the first K of its
+patches; other bytes are local edits over the series (git apply -R applies) or under it (git
+apply applies), or conflict. A change is all or none: old and new bytes are staged in
+PACKAGE/.sglang-series.tmp, renamed .swap (a stop from here on rolls back from its old/); the
+new files are renamed into place, .swap is renamed .done (the commit), then the record is
+swapped and .done removed. Every verb takes the tree's lock and first finishes what a stopped
+one left.
 """
-
 from __future__ import annotations
 
-import contextlib
-import csv
-import os
-import re
-import subprocess
-import sys
-from dataclasses import dataclass, field
-from functools import cached_property
+import argparse, contextlib, csv, fcntl, hashlib, json, os, re, shutil, signal, subprocess, sys, tempfile  # noqa: E401
+from dataclasses import dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _hunks  # noqa: E402
-import _journal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
 SERIES_FILE = PATCH_DIR / "series"
-PIN_FILE = ROOT / "sglang.pin"
-UPSTREAM_PREFIX = "python/"
+PACKAGE = "python/sglang/"  # every patched path starts so: git apply -p3 strips a/python/sglang/
+RECORD = ".sglang-series"
+LEFTOVERS = (".orig", ".rej")
+KEPT = ".sglang-series-old"  # a file's bytes before a stopped change, where the file changed since
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class SeriesError(Exception):
@@ -45,17 +36,34 @@ class SeriesError(Exception):
         self.code = code
 
 
-def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
-    """sglang.pin: KEY=value lines (the same file bash sources and make includes)."""
+def fail(message: str, code: int = 1):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def cli(main, *args, interrupted: str = "interrupted (Ctrl-C) before anything was written; nothing changed") -> None:
+    """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
+    try:
+        sys.exit(main(*args))
+    except SeriesError as exc:
+        fail(str(exc), exc.code)
+    except KeyboardInterrupt:
+        fail(interrupted, 130)
+    except OSError as exc:
+        fail(f"{exc}; nothing changed" + ("; run as a user who can read and write the tree"
+                                          if isinstance(exc, PermissionError) else ""))
+
+
+def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
+    """sglang.pin: KEY=value lines, no quotes or spaces (make includes the same file)."""
     if not path.is_file():
         raise SeriesError(f"{path} is missing: it pins the SGLang release the series is for")
     pin = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
-            key, sep, value = line.partition("=")
-            if not sep or not re.fullmatch(r"[A-Z_]+", key) or not re.fullmatch(r"[^\s\"']+", value):
+            if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
                 raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
-            pin[key] = value
+            pin[match[1]] = match[2]
     for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
         if key not in pin:
             raise SeriesError(f"{path} does not set {key}")
@@ -65,415 +73,529 @@ def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
 try:
     PIN = read_pin()
 except SeriesError as _exc:  # every script imports this module first: one line, not a traceback
-    print(f"error: {_exc}", file=sys.stderr)
-    sys.exit(1)
-EXPECTED_VERSION = PIN["SGLANG_VERSION"]
-UPSTREAM_COMMIT = PIN["SGLANG_COMMIT"]
+    fail(str(_exc))
+EXPECTED_VERSION, UPSTREAM_COMMIT = PIN["SGLANG_VERSION"], PIN["SGLANG_COMMIT"]
 
 
-def series_edited() -> bool:
-    """patches/series differs from the one committed in this repository (False where this
-    is no git checkout, as in the image)."""
-    proc = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(SERIES_FILE)],
-                          capture_output=True)
-    return proc.returncode == 1
+def run_script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
+    """Another of these scripts, run with this Python, its output captured."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+                          capture_output=True, text=True, **kwargs)
+
+
+def script_output(name: str, *args) -> str:
+    proc = run_script(name, *args)
+    if proc.returncode != 0:
+        raise SeriesError(f"scripts/{name} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def read_series(patches: Path = PATCH_DIR) -> list[Path]:
+    if not (patches / "series").is_file():
+        raise SeriesError(f"{patches / 'series'} is missing")
+    return [patches / line.strip() for line in (patches / "series").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def series_state(patches: Path = PATCH_DIR) -> dict:
+    """The series' identity: the sha256 of patches/series and of each patch it lists, and
+    their digest, the sha256 of what `sha256sum series PATCH...` prints in patches/."""
+    files = ["series"] + [p.name for p in read_series(patches)]
+    sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
+    return {"digest": hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest(), "files": sums}
+
+
+def patch_name(number: int, subject: str) -> str:
+    """NNNN-slug.patch: the subject's words joined by '-', cut at a word boundary to at most
+    60 characters, not ending on a word such as 'a' or 'by'."""
+    words, kept = [w for w in re.split(r"[^A-Za-z0-9_.]+", subject) if w.strip(".")], []
+    for word in words:
+        if len("-".join(kept + [word])) > 60:
+            while len(kept) > 1 and kept[-1].lower() in "a an and at by for from in of on or the to with".split():
+                kept.pop()
+            break
+        kept.append(word)
+    return f"{number:04d}-{'-'.join(kept) or (words[0][:60] if words else 'patch')}.patch"
+
+
+def work_git(option: str | None):
+    """import/export-patches' work folder (--work, $SERIES_WORK, build/work) and a git runner in it."""
+    work = Path(option or os.environ.get("SERIES_WORK") or ROOT / "build" / "work").resolve()
+    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}  # git am
+
+    def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["git", "-C", str(work), *args], capture_output=True, text=True, env=env)
+        if check and proc.returncode != 0:
+            raise SeriesError(f"git {' '.join(args)} in {work} failed: {proc.stderr.strip()}")
+        return proc
+    return work, git
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def blob(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def series_note() -> str:
-    return (" (patches/series differs from the committed one, so the series read is the edited one: "
-            "git diff -- patches/series shows how; git checkout -- patches/series restores it)"
-            if series_edited() else "")
+    edited = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(SERIES_FILE)],
+                            capture_output=True).returncode == 1
+    return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
+            "git checkout -- patches/series restores it)" if edited else "")
 
 
-def read_series() -> list[Path]:
-    if not SERIES_FILE.is_file():
-        raise SeriesError(f"{SERIES_FILE} is missing")
-    names = [
-        line.strip()
-        for line in SERIES_FILE.read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-    return [PATCH_DIR / name for name in names]
-
-
-def touched_files(patch: Path) -> list[str]:
-    """Upstream paths (``python/sglang/...``) that a patch modifies."""
-    paths = []
-    for line in patch.read_text().splitlines():
-        match = re.match(r"^diff --git a/(\S+) b/(\S+)$", line)
-        if match:
-            paths.append(match.group(2))
-    return paths
-
-
-def _same_blob(a: str | None, b: str | None) -> bool:
-    """Two (possibly abbreviated) blob ids name the same blob; unknown ones match anything."""
-    return not a or not b or a.startswith(b) or b.startswith(a)
+@dataclass
+class Section:
+    """One file's part of one patch; ``index``: how many of the series' sections for that file come before."""
+    patch: str
+    rel: str  # the path inside the sglang package
+    old: str  # blob ids before and after (possibly abbreviated)
+    new: str
+    text: bytes
+    index: int
 
 
 class Series:
-    """The parsed patches, and per file the hunks that touch it in series order."""
+    """The patches patches/series lists, split into one section per file, in order."""
 
-    def __init__(self, paths: list[Path]):
-        try:
-            self.patches = [_hunks.parse_patch(p) for p in paths]
-        except (OSError, _hunks.PatchError) as exc:
-            raise SeriesError(str(exc))
-        self.paths: list[str] = []
-        self._hunks: dict[str, list[_hunks.Hunk]] = {}
-        self._blobs: dict[str, list[str | None]] = {}
-        last: dict[str, str] = {}  # per file, the patch that touched it last
-        for patch in self.patches:
-            for diff in patch.files:
-                if diff.path not in self._hunks:
-                    self.paths.append(diff.path)
-                    self._hunks[diff.path], self._blobs[diff.path] = [], [diff.old_blob]
-                elif not _same_blob(self._blobs[diff.path][-1], diff.old_blob):
-                    raise SeriesError(
-                        f"{SERIES_FILE}: {patch.name} changes {diff.path} as {last[diff.path]} leaves it in "
-                        f"another form (blob {diff.old_blob}, not {self._blobs[diff.path][-1]}): a patch is "
-                        f"missing, added or out of order{series_note()}")
-                last[diff.path] = patch.name
-                self._hunks[diff.path] += diff.hunks
-                self._blobs[diff.path].append(diff.new_blob)
+    def __init__(self, patches: Path = PATCH_DIR):
+        self.patches, self.sections, self.by_file = [], [], {}
+        for path in read_series(patches):
+            if not path.is_file():
+                raise SeriesError(f"{SERIES_FILE} lists {path.name}, which does not exist{series_note()}")
+            self.patches.append(path.name)
+            data = path.read_bytes()
+            starts = [m.start() for m in re.finditer(rb"^diff --git ", data, re.M)]
+            if not starts:
+                raise SeriesError(f"{path.name}: no 'diff --git' section")
+            for begin, end in zip(starts, starts[1:] + [len(data)]):
+                self._add(path.name, data[begin:end])
+        self.files, self.digest = list(self.by_file), series_state(patches)["digest"]
 
-    @classmethod
-    def load(cls) -> "Series":
-        return cls(read_series())
+    def _add(self, patch: str, text: bytes) -> None:
+        head = text.split(b"\n@@", 1)[0].decode(errors="replace")
+        path = re.match(r"diff --git a/(\S+) b/(\S+)\n", head)
+        index = re.search(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)", head, re.M)
+        if not path or path[1] != path[2] or not path[1].startswith(PACKAGE) or not index or re.search(
+                r"^(new file|deleted file|old mode|new mode|rename from|copy from|Binary|GIT binary)", head, re.M):
+            raise SeriesError(f"{patch}: '{head.splitlines()[0]}': only changes to existing text files under "
+                              f"{PACKAGE}, with index lines, are supported")
+        earlier = self.by_file.setdefault(path[1][len(PACKAGE):], [])
+        if earlier and not (earlier[-1].new.startswith(index[1]) or index[1].startswith(earlier[-1].new)):
+            raise SeriesError(f"{SERIES_FILE}: {patch} changes {path[1]} as {earlier[-1].patch} does not leave it "
+                              f"(blob {index[1]}, not {earlier[-1].new}): a patch is missing, added or out of order"
+                              f"{series_note()}")
+        earlier.append(Section(patch, path[1][len(PACKAGE):], index[1], index[2], text, len(earlier)))
+        self.sections.append(earlier[-1])
 
-    def hunks(self, path: str) -> list[_hunks.Hunk]:
-        return self._hunks[path]
 
-    def pristine_blob(self, path: str) -> str | None:
-        """SGLang's own file, as the first patch that touches it names it."""
-        return self._blobs[path][0]
+def git_apply(files: dict[str, bytes], sections: list[Section], reverse: bool = False) -> dict[str, bytes] | None:
+    """``files`` with ``sections`` applied (reverse: undone) by git apply in a scratch folder, outside
+    any repository and configuration; None where they do not apply. One git apply per layer (each
+    file's first section, then its second...): git apply -R does not chain one file's patches."""
+    if not sections:
+        return dict(files)
+    if not shutil.which("git"):
+        raise SeriesError("git is missing: these scripts write the patched files with git apply; install git")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    with tempfile.TemporaryDirectory(prefix="sglang-series-") as tmp:
+        env.update(GIT_CEILING_DIRECTORIES=str(Path(tmp).parent), GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
+        for rel, data in files.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_bytes(data)
+        for layer in sorted({s.index for s in sections}, reverse=reverse):
+            if subprocess.run(["git", "-c", f"core.attributesFile={os.devnull}", "apply", "-p3", "--whitespace=nowarn",
+                               *(["-R"] if reverse else [])], cwd=tmp, env=env, capture_output=True,
+                              input=b"".join(s.text for s in sections if s.index == layer)).returncode != 0:
+                return None
+        return {rel: (Path(tmp) / rel).read_bytes() for rel in files}
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where SGLang's sources live and how patch paths map onto them."""
-
     root: Path
     layout: str  # "checkout" (root/python/sglang) or "installed" (root/sglang)
 
     @property
     def package_dir(self) -> Path:
-        return self.root / "python" / "sglang" if self.layout == "checkout" else self.root / "sglang"
+        return self.root / ("python/sglang" if self.layout == "checkout" else "sglang")
 
-    def local_path(self, upstream_path: str) -> Path:
-        if self.layout == "checkout":
-            return self.root / upstream_path
-        return self.root / upstream_path[len(UPSTREAM_PREFIX):]
-
-    def show(self, upstream_path: str) -> str:
-        """A touched file as the user knows it: relative to the folder they named."""
-        return str(self.local_path(upstream_path).relative_to(self.root))
+    def show(self, *rels: str, sep: str = ", ") -> str:
+        """Files as the user knows them: relative to the folder they named."""
+        return sep.join(str((self.package_dir / rel).relative_to(self.root)) for rel in rels)
 
 
-def _is_package(folder: Path) -> bool:
-    return (folder / "__init__.py").is_file()
-
-
-def find_target(path: str | os.PathLike) -> Target:
+def find_target(path: str) -> Target:
+    kinds = ("name an upstream checkout (holding python/sglang/), an installed SGLang's folder (holding sglang/) "
+             "or the sglang package folder itself")
     root = Path(path).resolve()
+    if not str(path).strip() or (root.exists() and not root.is_dir()):
+        raise SeriesError(f"{path!r} is {'a file' if str(path).strip() else 'an empty path'}, not a folder; {kinds}")
     if not root.is_dir():
         raise SeriesError(f"{path}: no such directory")
-    checkout = _is_package(root / "python" / "sglang")
-    installed = _is_package(root / "sglang")
+    checkout, installed = (root / "python/sglang/__init__.py").is_file(), (root / "sglang/__init__.py").is_file()
     if checkout and installed:
-        raise SeriesError(
-            f"{path} holds two SGLang packages, {root / 'python' / 'sglang'} (an upstream checkout) and "
-            f"{root / 'sglang'} (an installed package); which one Python imports depends on its search "
-            "path, so name the package folder you mean instead: "
-            f"{root / 'python' / 'sglang'} or {root / 'sglang'} (scripts/install-into-python --python PY "
-            "finds the one PY imports)")
-    if checkout:
-        return Target(root, "checkout")
-    if installed:
-        return Target(root, "installed")
-    if root.name == "sglang" and _is_package(root) and (root / "srt").is_dir():
+        raise SeriesError(f"{path} holds two SGLang packages, {root / 'python/sglang'} (an upstream checkout) and "
+                          f"{root / 'sglang'} (an installed package); which one Python imports depends on its path, so "
+                          "name the package folder you mean (scripts/install-into-python --python PY finds PY's)")
+    if checkout or installed:
+        return Target(root, "checkout" if checkout else "installed")
+    if root.name == "sglang" and (root / "__init__.py").is_file() and (root / "srt").is_dir():
         return Target(root.parent, "installed")
-    raise SeriesError(
-        f"{path} is not an SGLang tree: expected python/sglang/ (an upstream checkout) or sglang/ "
-        "(an installed SGLang, e.g. site-packages) inside it, or the sglang package folder itself"
-    )
-
-
-def _read_version_file(package_dir: Path) -> str | None:
-    version_file = package_dir / "_version.py"
-    if not version_file.is_file():
-        return None
-    match = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text(), re.M)
-    return match.group(1) if match else None
-
-
-def _metadata_version(dist_info: Path) -> str | None:
-    metadata = dist_info / "METADATA"
-    if metadata.is_file():
-        for line in metadata.read_text(errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-            if not line:
-                break
-    return None
-
-
-def _records_package(dist_info: Path) -> bool:
-    record = dist_info / "RECORD"
-    if not record.is_file():
-        return False
-    with record.open(newline="") as handle:
-        return any(row and row[0] == "sglang/__init__.py" for row in csv.reader(handle))
-
-
-def owning_dist_info(root: Path) -> Path | None:
-    """The sglang-*.dist-info that installed root/sglang, or None when there is none.
-
-    A stale dist-info (an upgrade pip did not finish, a copied folder) can sit beside the
-    real one: only those whose RECORD lists sglang/__init__.py count, and two of those
-    are a tree nobody can tell apart: refused. (The package's own _version.py, read
-    first, is what pip and Python see; the dist-info is asked only when it is missing.)
-    """
-    candidates = sorted(p for p in root.glob("*.dist-info")
-                        if p.name.lower().startswith("sglang-") and _records_package(p))
-    if len(candidates) > 1:
-        raise SeriesError(
-            f"{root} holds {len(candidates)} dist-info folders that each claim sglang/ "
-            f"({', '.join(p.name for p in candidates)}); remove the stale one(s) "
-            "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
-    return candidates[0] if candidates else None
-
-
-def _git_head(folder: Path) -> str | None:
-    proc = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
-def detect_version(target: Target) -> str:
-    """The SGLang version of a tree, from the package's own metadata.
-
-    In order: the generated ``sglang/_version.py`` (wheels, installs, built checkouts),
-    the dist-info that installed the package, then for a bare upstream checkout its git
-    commit (the pinned commit counts as the pinned version).
-    """
-    version = _read_version_file(target.package_dir)
-    if version is None:
-        dist_info = owning_dist_info(target.root)
-        version = _metadata_version(dist_info) if dist_info else None
-    if version is None:
-        head = _git_head(target.package_dir)
-        if head == UPSTREAM_COMMIT:
-            version = EXPECTED_VERSION
-        elif head:
-            version = f"unknown (git commit {head})"
-    if version is None:
-        raise SeriesError(
-            f"cannot tell the SGLang version of {target.package_dir}: no _version.py, "
-            "no dist-info and no git commit"
-        )
-    return version
+    raise SeriesError(f"{path} is not an SGLang tree: {kinds}")
 
 
 def check_version(target: Target) -> str:
-    version = detect_version(target)
-    base = version.split("+", 1)[0]
-    if base != EXPECTED_VERSION:
-        raise SeriesError(
-            f"wrong SGLang version in {target.package_dir}: expected {EXPECTED_VERSION}, found {version}"
-        )
+    """The version from sglang/_version.py, else the dist-info owning sglang/, else the git commit."""
+    version_file = target.package_dir / "_version.py"
+    found = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text(), re.M) \
+        if version_file.is_file() else None
+    infos = sorted(p for p in target.root.glob("*.dist-info") if p.name.lower().startswith("sglang-") and
+                   (p / "RECORD").is_file() and ["sglang/__init__.py"] in
+                   [row[:1] for row in csv.reader((p / "RECORD").read_text().splitlines())])
+    if not found and len(infos) > 1:
+        raise SeriesError(f"{target.root} holds {len(infos)} dist-info folders that each claim sglang/ "
+                          f"({', '.join(p.name for p in infos)}); remove the stale one(s) "
+                          "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
+    if not found and infos and (infos[0] / "METADATA").is_file():
+        found = re.search(r"^Version: (\S+)", (infos[0] / "METADATA").read_text(errors="replace"), re.M)
+    head = "" if found else subprocess.run(["git", "-C", str(target.package_dir), "rev-parse", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip()
+    version = found[1] if found else EXPECTED_VERSION if head == UPSTREAM_COMMIT else f"unknown (git commit {head})"
+    if not found and not head:
+        raise SeriesError(f"cannot tell the SGLang version of {target.package_dir}: no _version.py, no dist-info "
+                          "and no git commit")
+    if version.split("+", 1)[0] != EXPECTED_VERSION:
+        raise SeriesError(f"wrong SGLang version in {target.package_dir}: expected {EXPECTED_VERSION}, found {version}")
     return version
 
 
-PATCH_LEFTOVERS = (".orig", ".rej")
-
-
 @dataclass
-class PatchState:
-    name: str
-    state: str  # applied | not applied | partly applied | conflicting
-    detail: str = ""
+class File:
+    """A file the series (or the record) touches, as the tree holds it."""
+    data: bytes | None = None
+    base: bytes | None = None  # the file without the series: SGLang's bytes, or the user's edits of them
+    held: int | None = None  # how many of the series' sections for it are in (None: not known)
+    edited: bool = False
+    problem: str = ""  # missing, conflicting, symbolic link: ...
 
 
-@dataclass
 class Survey:
-    """What a target holds of the series: per file, per patch, and files that should not be there."""
+    """What a tree holds of the series, read as the module doc says."""
 
-    target: Target
-    series: Series
-    files: dict[str, _hunks.FileState]
-    foreign: list[Path] = field(default_factory=list)
-
-    @cached_property
-    def patches(self) -> list[PatchState]:
-        applied = {}
-        for state in self.files.values():
-            applied.update({(h.patch, h.number): a for h, a in zip(state.hunks, state.applied)})
-        out = []
-        for patch in self.series.patches:
-            broken = [self.files[d.path] for d in patch.files if not self.files[d.path].consistent]
-            if broken:
-                out.append(PatchState(patch.name, "conflicting", "; ".join(
-                    f"{self.target.show(f.path)}: {f.conflict}" for f in broken)))
+    def __init__(self, target: Target, series: Series):
+        pkg, self.target, self.series, self.files = target.package_dir, target, series, {}
+        self.record = read_record(pkg)
+        self.outdated = bool(self.record) and self.record["digest"] != series.digest
+        recorded, exact = self.record["files"] if self.record else {}, {}
+        for rel in dict.fromkeys(series.files + list(recorded)):
+            f = self.files[rel] = File()
+            path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
+            if path.is_symlink() or not path.is_file():
+                f.problem = f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink() else "missing"
                 continue
-            flags = [applied[(patch.name, h.number)] for h in patch.hunks]
-            if all(flags):
-                out.append(PatchState(patch.name, "applied"))
-            elif not any(flags):
-                out.append(PatchState(patch.name, "not applied"))
+            f.data = path.read_bytes()
+            if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
+                    and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
+                f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
+                continue
+            blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
+            f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
+            if f.held is not None:
+                exact[rel] = f.held
+            elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
+                f.base, f.held, f.edited = undone[rel], len(sections), True
+            elif sections and git_apply({rel: f.data}, sections) is not None:
+                f.base, f.held, f.edited = f.data, 0, True
             else:
-                out.append(PatchState(patch.name, "partly applied", f"{sum(flags)} of {len(flags)} hunks in"))
-        return out
+                f.problem = "conflicting"
+        undone = git_apply({rel: self.files[rel].data for rel in exact},
+                           [s for s in series.sections if s.index < exact.get(s.rel, 0)], reverse=True) or {}
+        for rel in exact:
+            self.files[rel].base = undone.get(rel)
+            if rel not in undone or not blob(undone[rel]).startswith(series.by_file[rel][0].old):
+                self.files[rel].problem, self.files[rel].held = "conflicting", None  # not the blob the patch names
+        for rel, f in self.files.items():
+            f.edited = f.edited or (f.base is not None and rel in series.by_file
+                                    and not blob(f.base).startswith(series.by_file[rel][0].old))
+        self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
+        for name in series.patches:
+            mine = [s for s in series.sections if s.patch == name]
+            held = sum(self.files[s.rel].held is not None and s.index < self.files[s.rel].held for s in mine)
+            self.patches.append(
+                (name, "conflicting", target.show(*{s.rel for s in mine if self.files[s.rel].problem}))
+                if any(self.files[s.rel].held is None for s in mine) else
+                (name, "applied" if held == len(mine) else "partly applied" if held else "not applied",
+                 f"in {held} of {len(mine)} files" if 0 < held < len(mine) else ""))
+        states = {state for _, state, _ in self.patches}
+        self.state = ("outdated" if self.outdated else "conflicting" if "conflicting" in states else
+                      "applied" if states == {"applied"} else "pristine" if states == {"not applied"} else "partial")
 
-    @property
-    def state(self) -> str:
-        """applied, pristine (none of the series in), partial, or conflicting."""
-        states = {p.state for p in self.patches}
-        if "conflicting" in states:
-            return "conflicting"
-        if states == {"applied"}:
-            return "applied"
-        if states == {"not applied"}:
-            return "pristine"
-        return "partial"
+    def having(self, problem: str) -> list[str]:
+        return [rel for rel, f in self.files.items() if f.problem.startswith(problem)]
 
-    @property
-    def missing(self) -> list[str]:
-        return [p for p, f in self.files.items() if not f.present]
+    def edits(self) -> list[str]:
+        return [rel for rel, f in self.files.items() if f.edited]
 
-    @property
-    def conflicts(self) -> list[_hunks.FileState]:
-        return [f for f in self.files.values() if f.present and f.conflict]
+    def foreign(self) -> list[Path]:
+        """What patch tools (and older versions of these scripts) left beside the series' files."""
+        pkg = self.target.package_dir
+        near = [(pkg / rel).with_name(dot + Path(rel).name + end) for rel in self.files for dot, end in
+                [("", end) for end in LEFTOVERS + (KEPT,)] + [(".", ".sglang-series-old"), (".", ".sglang-series-new")]]
+        return [p for p in near + [pkg / ".sglang-series-journal"] if p.exists()]
 
-    @property
-    def local_edits(self) -> list[str]:
-        return [p for p, f in self.files.items() if f.consistent and f.local_edits]
-
-
-def survey(target: Target, series: Series) -> Survey:
-    files = {}
-    foreign = []
-    for path in series.paths:
-        local = target.local_path(path)
-        data = local.read_bytes() if local.is_file() else None
-        files[path] = _hunks.analyse(path, data, series.hunks(path), series.pristine_blob(path))
-        for leftover in [local.with_name(local.name + s) for s in PATCH_LEFTOVERS] + [
-                local.with_name(f".{local.name}{s}") for s in (_journal.NEW_SUFFIX, _journal.OLD_SUFFIX)]:
-            if leftover.exists():
-                foreign.append(leftover)
-    return Survey(target, series, files, foreign)
+    def refuse_unsafe(self, verb: str, force: bool) -> None:
+        """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
+        links, bad, edits = self.having("symbolic link"), self.having("missing") or self.having("conflicting"), self.edits()
+        if links:
+            raise SeriesError("files the series changes are symbolic links, which apply and reverse would replace by "
+                              f"regular files: {'; '.join(self.files[r].problem[15:] for r in links)}; nothing changed "
+                              "(run on the tree that holds the real files, or replace each link by a copy: "
+                              "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
+        if bad:
+            why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote{series_note()}")
+            raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
+                              f"then {restore_hint(self.target, bad)}")
+        if edits and not force:
+            keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
+            raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
+                              f"outside the series' changes): {self.target.show(*edits)}; pass "
+                              f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
+                              "nothing changed")
 
 
-def restore_hint(target: Target, paths: list[str]) -> str:
-    """How to bring SGLang's own copy of files back."""
-    shown = " ".join(target.show(p) for p in paths)
-    return (f"restore {shown} from SGLang {EXPECTED_VERSION} (in a git checkout: git -C {target.root} "
-            f"checkout -- {shown}; installed: pip install --force-reinstall --no-deps sglang=={EXPECTED_VERSION})")
+def read_record(pkg: Path) -> dict | None:
+    if not (pkg / RECORD).exists():
+        return None
+    try:
+        record = json.loads((pkg / RECORD / "record.json").read_text())
+        assert isinstance(record["digest"], str) and isinstance(record["files"], dict)
+        return record
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer version; "
+                          "remove it only if the tree's files are SGLang's own")
+
+
+def restore_hint(target: Target, rels: list[str]) -> str:
+    shown = target.show(*rels, sep=" ")
+    return (f"restore {shown} from SGLang {EXPECTED_VERSION} (in a git checkout: git -C {target.root} checkout -- "
+            f"{shown}; installed: pip install --force-reinstall --no-deps sglang=={EXPECTED_VERSION})")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes, like: os.stat_result | None = None) -> None:
+    """A new file, flushed, with the mode and (as root) the owner of ``like``."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True)
+    with open(path, "xb") as handle:
+        handle.write(data)
+        if like:
+            os.fchmod(handle.fileno(), like.st_mode & 0o7777)
+            if os.geteuid() == 0:
+                os.fchown(handle.fileno(), like.st_uid, like.st_gid)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def drop_bytecode(path: Path) -> None:
+    """Remove a .py file's bytecode (any interpreter, any level): no .pyc stands for its old bytes."""
+    for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc") if path.suffix == ".py" else []:
+        if pyc.name.split(".")[0] == path.stem:
+            pyc.unlink(missing_ok=True)
+
+
+def recover(pkg: Path) -> str | None:
+    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did. (A folder
+    without its meta.json had only its removal left.)"""
+    tmp, swap, done, record = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done", ""))
+    if not (tmp.exists() or swap.exists() or done.exists()):
+        return None
+    before, notes = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}, []
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        for folder in (swap, done):
+            meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else None
+            for rel, entry in meta["files"].items() if folder == swap and meta else []:
+                path, old = pkg / rel, swap / "old" / rel
+                current = sha(path.read_bytes()) if path.is_file() else None
+                if current != entry["old"] and old.exists():
+                    if current not in (entry["new"], None):  # changed since the stop: left, its old bytes beside it
+                        path = path.with_name(path.name + KEPT)
+                        notes.append(f"{pkg / rel} changed since; its bytes before the {meta['verb']} are in {path}")
+                    os.replace(old, path)
+                    drop_bytecode(path)
+            if folder == done and meta:
+                if record.exists() and ((done / "record").exists() or meta["verb"] == "reverse"):
+                    os.replace(record, done / "old-record")
+                if (done / "record").exists():
+                    os.replace(done / "record", record)
+                _fsync(pkg)
+            if folder.exists():
+                shutil.rmtree(folder)
+                verb = meta["verb"] if meta else "change"
+                return (f"rolled back an interrupted {verb}: {'; '.join(notes) or 'every file is as it was'}"
+                        if folder == swap else f"finished an interrupted {verb} (every file had been swapped in)")
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict, dict[str, bytes]] | None) -> None:
+    """Write ``changes`` ({path: new bytes}) and the record (None: removed), all or none."""
+    tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
+    try:
+        meta = {"verb": verb, "files": {}}
+        for rel, new in changes.items():
+            old, like = (pkg / rel).read_bytes(), (pkg / rel).stat()
+            _write(tmp / "old" / rel, old, like)
+            _write(tmp / "new" / rel, new, like)
+            meta["files"][rel] = {"old": sha(old), "new": sha(new)}
+        for rel, data in (record[1] if record else {}).items():
+            _write(tmp / "record" / "pristine" / rel, data)
+        if record:
+            _write(tmp / "record" / "record.json", json.dumps(record[0], indent=1).encode())
+        _write(tmp / "meta.json", json.dumps(meta).encode())
+        os.rename(tmp, swap)
+        _fsync(pkg)
+        for rel in changes:
+            drop_bytecode(pkg / rel)
+            os.replace(swap / "new" / rel, pkg / rel)
+        for folder in {(pkg / rel).parent for rel in changes}:
+            _fsync(folder)
+        os.rename(swap, done)
+        _fsync(pkg)
+    except BaseException as exc:
+        why = ("interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"signal {exc.code - 128}"
+               if isinstance(exc, SystemExit) else str(exc))
+        code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code if isinstance(exc, SystemExit) else 1
+        try:
+            note = recover(pkg) or ""
+        except OSError as again:
+            raise SeriesError(f"{verb} stopped ({why}) and undoing it failed too ({again}); the next apply, reverse "
+                              "or status finishes or undoes it", code) from exc
+        if note.startswith("finished"):
+            raise SeriesError(f"{why} during the swap: the {verb} went through", code) from exc
+        hint = f"; run as a user who can write {pkg}" if isinstance(exc, PermissionError) else ""
+        raise SeriesError(f"{verb} stopped ({why}); every file is as it was; nothing changed{hint}", code) from exc
+    try:
+        recover(pkg)
+    except OSError as exc:
+        print(f"note: the {verb} went through, but removing {done} failed ({exc}); the next apply, reverse or status "
+              "removes it", file=sys.stderr)
 
 
 @contextlib.contextmanager
 def opened(path: str):
-    """What every verb does first, under the tree's lock: find the tree, finish a change
-    that was cut short (scripts/_journal.py), check the version, read the series."""
+    """Every verb's start: the tree, its lock, a stopped change finished, the version, the survey."""
     target = find_target(path)
+    fd = os.open(target.package_dir, os.O_RDONLY)
     try:
-        with _journal.locked(target.package_dir):
-            note = _journal.recover(target.package_dir)
-            if note:
-                print(f"note: {target.package_dir}: {note}", file=sys.stderr)
-            _journal._checkpoint("opened")  # tests: a signal here is one before anything is written
-            yield target, check_version(target), Series.load()
-    except _journal.JournalError as exc:
-        raise SeriesError(str(exc))
-    except _journal.Interrupted as exc:  # while recovering: the recovery was finished first
-        raise SeriesError(f"{exc} received: the interrupted change was recovered first, then stopped",
-                          128 + exc.signum)
-    except PermissionError as exc:
-        owner = _journal._owner(target.package_dir)
-        raise SeriesError(f"{exc}: permission denied; run as a user who can write {target.package_dir} "
-                          f"({owner if owner.startswith('root ') else owner + ' or root'})")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SeriesError(f"another apply, reverse or status is working on {target.package_dir}; wait for it")
+        try:
+            note = recover(target.package_dir)
+        except PermissionError as exc:
+            raise SeriesError(f"an apply or reverse was cut short in {target.package_dir}; finishing it needs write "
+                              f"access ({exc}): run this as its owner or root")
+        if note:
+            print(f"note: {target.package_dir}: {note}", file=sys.stderr)
+        version, series = check_version(target), Series()
+        found = Survey(target, series)
+        left = [str(p.relative_to(target.root)) for p in found.foreign() if p.name.endswith(LEFTOVERS)]
+        if left:
+            print(f"note: left by a patch tool, not part of SGLang, and kept: {', '.join(left)} (remove them when "
+                  "done with them)", file=sys.stderr)
+        yield target, version, series, found
+    finally:
+        os.close(fd)
 
 
-def write(target: Target, changes: dict[str, bytes], verb: str) -> None:
-    """Swap the new bytes of every upstream path in ``changes`` into the tree, all or none.
-    (A symbolic link among them is refused before: refuse_unsafe.)"""
-    items = [_journal.Change(target.local_path(p), data) for p, data in changes.items()]
-    try:
-        leftover = _journal.commit(target.package_dir, items, verb)
-    except _journal.Interrupted as exc:
-        code = 128 + exc.signum
-        if exc.finished:
-            raise SeriesError(f"{exc} received during the swap: the {verb} was finished first, then stopped", code)
-        raise SeriesError(f"{exc} received: the {verb} was cancelled before any file changed; nothing changed", code)
-    except OSError as exc:
-        raise SeriesError(f"{verb} failed, every file is back as it was; nothing changed: {exc}")
-    if leftover:
-        print(f"note: the {verb} went through, but removing its side files failed ({leftover}); "
-              "the next apply, reverse or status removes them", file=sys.stderr)
+def apply(path: str, force: bool) -> int:
+    with opened(path) as (target, version, series, found):
+        if found.state == "applied":
+            print(f"series already applied to {target.package_dir} ({len(series.patches)} patches); nothing changed")
+            return 0
+        found.refuse_unsafe("apply", force)
+        bases = {rel: f.base for rel, f in found.files.items()}
+        new = git_apply({rel: bases[rel] for rel in series.files}, series.sections)
+        wrong = [rel for rel in series.files if new and not found.files[rel].edited
+                 and not blob(new[rel]).startswith(series.by_file[rel][-1].new)]
+        if new is None or wrong:
+            what = f"gave {target.show(*wrong)} other bytes than the index lines name" if new else "refused the series"
+            raise SeriesError(f"git apply {what} over {target.package_dir}'s files without it; nothing changed"
+                              f"{series_note()}")
+        record = {"digest": series.digest, "patches": series.patches,
+                  "files": {rel: {"pristine": sha(bases[rel]), "written": sha(new[rel])} for rel in series.files}}
+        new = {**bases, **new}  # a file only an older series changed goes back to its recorded bytes
+        transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
+                 (record, {rel: bases[rel] for rel in series.files}))
+    print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
+    print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
+                  if state != "not applied" and not found.outdated), end="")
+    return 0
 
 
-def symlinks(target: Target, paths) -> list[tuple[str, Path]]:
-    """The series' files that are symbolic links, with where each points."""
-    return [(p, Path(os.readlink(target.local_path(p)))) for p in paths if target.local_path(p).is_symlink()]
+def reverse(path: str, force: bool) -> int:
+    with opened(path) as (target, version, series, found):
+        if found.state == "pristine" and not found.record:
+            print(f"series is not applied to {target.package_dir}; nothing changed")
+            return 0
+        found.refuse_unsafe("reverse", force)
+        transact(target.package_dir, "reverse", {rel: f.base for rel, f in found.files.items() if f.base != f.data},
+                 None)
+    undone = found.record["patches"] if found.outdated else [n for n, state, _ in found.patches if state != "not applied"]
+    print(f"reversed {len(undone)} patches in {target.package_dir}" + "".join(f"\n  {name}" for name in undone))
+    return 0
 
 
-def force_hint() -> str:
-    """How the user passes --force: the Makefile sets SERIES_FORCE_HINT=FORCE=1."""
-    return os.environ.get("SERIES_FORCE_HINT") or "--force"
+def status(path: str) -> int:
+    with opened(path) as (target, version, series, found):
+        pass
+    print(f"SGLang {version} at {target.package_dir} ({target.layout} layout): series {found.state}")
+    if found.outdated:
+        print(f"  applied by scripts/apply from another patches/ (digest {found.record['digest'][:12]}, "
+              f"{len(found.record['patches'])} patches): scripts/apply replaces it, scripts/reverse takes it out")
+    marks = {"applied": "x", "not applied": " ", "partly applied": "~", "conflicting": "!"}
+    for name, state, detail in [] if found.outdated else found.patches:
+        print(f"  [{marks[state]}] {name}: {state}" + (f" ({detail})" if detail else ""))
+    for what in ("missing", "conflicting"):
+        if found.having(what):
+            print(f"{what}: {target.show(*found.having(what))}: {restore_hint(target, found.having(what))}")
+    if found.edits():
+        print(f"local edits (outside the series' changes): {target.show(*found.edits())}")
+    for rel in found.having("symbolic link"):
+        print(f"{found.files[rel].problem} (apply and reverse refuse it: they write by rename)")
+    for leftover in found.foreign():
+        print(f"foreign: {leftover.relative_to(target.root)} (left by a patch tool; not part of SGLang)")
+    return 0 if found.state == "applied" else 3
 
 
-def leftovers_note(survey: Survey) -> str | None:
-    """A line naming files patch tools left beside the series' files (.rej, .orig), which
-    the scripts never remove: they did not write them."""
-    left = [p for p in survey.foreign if p.name.endswith(PATCH_LEFTOVERS)]
-    if not left:
-        return None
-    return (f"note: left by a patch tool, not part of SGLang, and kept: "
-            f"{', '.join(str(p.relative_to(survey.target.root)) for p in left)} (remove them when done with them)")
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
 
 
-def refuse_unsafe(survey: Survey, verb: str, force: bool) -> None:
-    """Stop before writing when the tree is not SGLang's files plus some of the series' hunks."""
-    target = survey.target
-    links = symlinks(target, [p for p, f in survey.files.items() if f.present])
-    if links:
-        raise SeriesError(
-            "files the series changes are symbolic links, which apply and reverse would replace by regular "
-            f"files (they write by rename); nothing changed:\n  "
-            + "\n  ".join(f"{target.show(p)} -> {dest}" for p, dest in links)
-            + "\nrun the script on the tree that holds the real files, or replace each link by a copy "
-              "(cp --remove-destination \"$(readlink -f LINK)\" LINK)")
-    if survey.missing:
-        raise SeriesError(
-            f"{', '.join(target.show(p) for p in survey.missing)} missing from {target.root} (a tool stopped "
-            f"part-way can delete files): {restore_hint(target, survey.missing)}; nothing changed")
-    if survey.conflicts:
-        lines = "\n  ".join(f"{target.show(f.path)}: {f.conflict}" for f in survey.conflicts)
-        raise SeriesError(
-            f"files the series touches hold neither SGLang {EXPECTED_VERSION}'s text nor that text with some "
-            f"of the series' hunks; nothing changed:\n  {lines}\nif they hold edits of your own, keep a copy "
-            f"and {restore_hint(target, [f.path for f in survey.conflicts])}{series_note()}")
-    if survey.local_edits and not force:
-        keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
-        raise SeriesError(
-            f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} outside "
-            f"the series' hunks; pass {force_hint()} to {keep}){series_note()}; nothing changed:\n  "
-            + "\n  ".join(target.show(p) for p in survey.local_edits))
-
-
-def fail(message: str, code: int = 1):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def run_verb(main) -> None:
-    """Run a verb's main(); a SeriesError becomes 'error: ...' and its exit code. Ctrl-C
-    outside a swap (the swap holds it: scripts/_journal.py) comes before anything is
-    written: it says so and exits 130."""
-    try:
-        sys.exit(main())
-    except SeriesError as exc:
-        fail(str(exc), exc.code)
-    except KeyboardInterrupt:
-        fail("interrupted (Ctrl-C) before anything was written; nothing changed", 130)
-    except PermissionError as exc:  # reading the tree (a write's are caught where it writes)
-        fail(f"{exc}; nothing changed: run as a user who can read and write the tree")
+def main(verb: str, doc: str) -> None:
+    """A verb's command line (scripts/apply, reverse, status)."""
+    parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
+    if verb != "status":
+        parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
+    args = parser.parse_args()
+    for signum in SIGNALS[1:]:
+        signal.signal(signum, _stop)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
+    cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))

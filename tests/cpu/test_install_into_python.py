@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.series_trees import REAL
+
 ROOT = Path(__file__).resolve().parents[2]
 PRISTINE = os.environ.get("PRISTINE_SGLANG")
 pytestmark = pytest.mark.skipif(not PRISTINE, reason="set by `make test`: the pristine tree's python/ folder")
@@ -55,8 +57,7 @@ def test_installed_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"sglang imports from {site / 'sglang'}" in proc.stdout
     assert "series applied" in proc.stdout and "ok:" in proc.stdout
-    assert (site / "sglang/srt/mem_cache/pool_host/common.py").read_bytes() != \
-        (Path(PRISTINE) / "sglang/srt/mem_cache/pool_host/common.py").read_bytes()
+    assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
     again = install(site)  # idempotent: a rebuilt layer or a second run changes nothing
     assert again.returncode == 0 and "already applied" in again.stdout
 
@@ -110,8 +111,8 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
     python = tmp_path / "python"
     python.write_text(textwrap.dedent(f"""\
         #!/bin/sh
-        if ! cmp -s {site}/sglang/srt/mem_cache/pool_host/common.py \\
-             {Path(PRISTINE).resolve()}/sglang/srt/mem_cache/pool_host/common.py \\
+        if ! cmp -s {site}/sglang/{REAL.files[0]} \\
+             {Path(PRISTINE).resolve()}/sglang/{REAL.files[0]} \\
            && [ "$1" = -c ] && case "$2" in *"import_module"*) true;; *) false;; esac; then
           echo "{reason}" >&2; exit 1
         fi

@@ -229,14 +229,14 @@ def test_make_status_prints_the_state_without_an_error(tmp_path):
 
 @pytest.mark.parametrize("force", ["0", "no", "1"])
 def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
-    from tests.support.series_trees import local, small_tree
+    from tests.support.series_trees import REAL, needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
 
-    tree = small_tree(tmp_path / "tree", "installed")
-    mamba = tree / local("installed", "python/sglang/srt/mem_cache/pool_host/mamba.py")
-    mamba.write_bytes(mamba.read_bytes() + b"# a local edit\n")
+    tree = REAL.tree(tmp_path / "tree", "installed")
+    edited = tree / "sglang" / REAL.files[0]
+    edited.write_bytes(edited.read_bytes() + b"# a local edit\n")
     proc = make("apply-patches", f"SGLANG_DIR={tree}", f"FORCE={force}")
     if force == "1":
-        assert proc.returncode == 0 and "applied 10 patches" in proc.stdout, proc.stderr
+        assert proc.returncode == 0 and f"applied {len(REAL.patches)} patches" in proc.stdout, proc.stderr
     else:
         assert proc.returncode != 0 and "pass FORCE=1 to apply the series over them" in proc.stderr
         assert "--force" not in proc.stderr
@@ -248,16 +248,36 @@ def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
 def test_make_shows_what_the_scripts_say_not_its_internal_lines(tmp_path):
     """Without -s, `make apply-patches`, `unapply-patches` and `status` print what the
     scripts print, not the command lines make runs them with (SERIES_FORCE_HINT=...)."""
-    from tests.support.series_trees import small_tree
+    from tests.support.series_trees import REAL
 
-    tree = small_tree(tmp_path / "tree", "installed")
-    for target, first in (("apply-patches", "applied 10 patches"), ("status", "SGLang 0.5.20 at"),
+    tree = REAL.tree(tmp_path / "tree", "installed")
+    for target, first in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "SGLang 0.5.20 at"),
                           ("unapply-patches", "")):
         proc = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), target, f"SGLANG_DIR={tree}"],
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         assert "scripts/" not in proc.stdout.split(str(tree))[0] and "SERIES_FORCE_HINT" not in proc.stdout, proc.stdout
         assert proc.stdout.startswith(first), proc.stdout
+
+
+def test_make_quotes_sglang_dir_and_lists_one_patch_a_line(tmp_path):
+    from tests.support.series_trees import REAL, digest
+
+    tree = REAL.tree(tmp_path / "a b", "installed")
+    before = digest(tree)
+    for target, expected in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "series applied"),
+                             ("unapply-patches", f"reversed {len(REAL.patches)} patches")):
+        proc = make(target, f"SGLANG_DIR={tree}")
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
+    assert digest(tree) == before
+    assert all(len(line) < 200 for line in proc.stdout.splitlines()), proc.stdout  # not all names on one line
+
+
+@pytest.mark.parametrize("value, expected", [("", "is an empty path, not a folder"), ("file", "is a file, not a folder")])
+def test_a_wrong_sglang_dir_is_named_as_what_it_is(tmp_path, value, expected):
+    (tmp_path / "file").write_text("")
+    proc = make("apply-patches", f"SGLANG_DIR={tmp_path / value if value else ''}")
+    assert proc.returncode != 0 and expected in proc.stderr, proc.stderr
 
 
 def test_the_mooncake_tests_skip_with_a_reason_or_fail_where_required(monkeypatch):

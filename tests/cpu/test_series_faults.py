@@ -1,245 +1,245 @@
 """scripts/apply and scripts/reverse under faults: every file changed, or none.
 
-Each case runs the real scripts on a small tree (the series' files plus the package
-markers) in both layouts and decides by the sha256 listing of the whole tree: after a
-failed write it is what it was; after a kill, once the next verb has recovered it, it is
-either what it was or exactly the fully patched (or pristine) tree, depending on whether
-the kill came before or after the swap was complete. Faults: a folder that refuses new
-files and an immutable file (chattr +i as root, chmod otherwise), and through
-scripts/_journal.py's test hook an OSError (a full disk, an I/O error) or a SIGKILL,
-SIGINT or SIGTERM at every step of the write, steps read from a traced real run.
+The scripts run under tests/support/trace_run.py, which sees each write they make in the
+tree (open for writing, mkdir, rename, remove...) before it happens and stops them there:
+SIGKILL, SIGINT, SIGTERM, or the operation failing (ENOSPC, EIO). A real full disk is a
+file-size limit (RLIMIT_FSIZE: a write fails part-way with EFBIG), a read-only tree is an
+immutable one (chattr +i as root) or one without write permission. The decision is the
+sha256 listing of the whole tree: once the next verb has run, it is the tree as it was,
+or exactly the tree a clean run leaves, record included.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.support.series_trees import (LAYOUTS, _series, digest, needs_pristine, patched_listing,  # noqa: F401
-                                        run, small_tree)
+from tests.support.series_trees import REAL, TRACER, _series, digest, fake, needs_pristine, package  # noqa: F401
 
-pytestmark = needs_pristine
-VERBS = ("apply", "reverse")
-# OSError codes a write can meet, by step: the first one a step can raise is used.
-ERRNO = {"journal": "ENOSPC", "write": "ENOSPC", "link": "EPERM", "swap": "EIO"}
+VERBS = {"apply": "installed", "reverse": "checkout"}  # each verb in one layout (the layout is not the swap's)
 
 
-@pytest.fixture(params=LAYOUTS)
-def layout(request):
-    return request.param
+def start(series, tmp_path: Path, verb: str, layout: str) -> tuple[Path, dict, dict]:
+    """The tree a verb starts from (pristine for apply, applied by the scripts for reverse),
+    and the listings before and after a clean run."""
+    tree = series.tree(tmp_path / "start", layout)
+    if verb == "reverse":
+        assert series.run("apply", tree).returncode == 0
+    clean = shutil.copytree(tree, tmp_path / "clean")
+    assert series.run(verb, clean).returncode == 0
+    return tree, digest(tree), digest(clean)
 
 
-def start_tree(tmp_path: Path, layout: str, verb: str) -> Path:
-    """What the verb starts from: pristine for apply, patched for reverse."""
-    return small_tree(tmp_path / "start", layout, patched=verb == "reverse")
+def steps(series, tree: Path, verb: str, scratch: Path) -> list[str]:
+    """Every write a clean run of the verb makes in the tree, as the tracer numbers them."""
+    copy, log = shutil.copytree(tree, scratch / "traced"), scratch / "trace.log"
+    assert series.run(verb, copy, traced={"TRACE_TREE": str(copy), "TRACE_LOG": str(log)}).returncode == 0
+    return log.read_text().splitlines()
 
 
-def steps_of(tree: Path, verb: str, scratch: Path) -> list[str]:
-    """Every step a real run of the verb passes, as scripts/_journal.py names them."""
-    copy = shutil.copytree(tree, scratch / "traced")
-    trace = scratch / "trace"
-    assert run(verb, copy, env={"SGLANG_SERIES_TRACE": str(trace)}).returncode == 0
-    # "opened" comes before the transaction (a Ctrl-C there: test_series_tooling.py)
-    steps = [step for step in trace.read_text().split() if step != "opened"]
-    assert steps[0] == "journal:prepare" and steps[-1] == "finished" and "swap:10" in steps
-    return steps
+def phases(trace: list[str]) -> list[int]:
+    """One step of each kind and phase (staging, into .swap, mid-swap, the commit, finishing)."""
+    firsts = {}
+    for number, step in enumerate(trace, 1):
+        kind = step.split()[1], ".tmp" in step, ".swap/new" in step, ".done" in step
+        firsts.setdefault(kind, number)
+    return sorted(set(firsts.values()) | {len(trace)})
 
 
-def run_each(start: Path, verb: str, faults: list[str], scratch: Path) -> list[tuple[Path, subprocess.CompletedProcess]]:
-    """Run the verb once per fault, each on its own copy of ``start``, as many at once as
-    there are cores; returns (copy, result) in order."""
+def run_each(series, start: Path, verb: str, faults: list[dict], scratch: Path) -> list[tuple[Path, object]]:
+    """The verb once per fault, each on its own copy of ``start``, as many at once as there are cores."""
     def one(numbered):
         number, fault = numbered
         tree = shutil.copytree(start, scratch / f"run-{number}")
-        return tree, run(verb, tree, env={"SGLANG_SERIES_FAULT": fault})
-
+        return tree, series.run(verb, tree, traced={"TRACE_TREE": str(tree), **fault})
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         return list(pool.map(one, enumerate(faults)))
 
 
-def recover(tree: Path) -> None:
-    """What every verb does first (scripts/_series.opened): finish an interrupted change."""
-    with _series.opened(tree):
-        pass
+@pytest.mark.parametrize("verb", VERBS)
+def test_sigkill_at_every_write_leaves_the_tree_as_it_was_or_done(fake, tmp_path, verb):
+    tree, before, after = start(fake, tmp_path, verb, VERBS[verb])
+    trace = steps(fake, tree, verb, tmp_path)
+    outcomes, halfway = [], 0
+    for step, (copy, proc) in zip(trace, run_each(fake, tree, verb, [{"TRACE_AT": str(n)} for n in
+                                                                   range(1, len(trace) + 1)], tmp_path)):
+        assert proc.returncode == -signal.SIGKILL, (step, proc.stderr)
+        halfway += digest(copy, record=False) not in (digest(tree, record=False), digest(tmp_path / "clean", False))
+        _series.recover(package(copy, VERBS[verb]))  # what every verb does first
+        outcomes.append(digest(copy))
+        assert outcomes[-1] in (before, after), step
+    commit = next(n for n, step in enumerate(trace) if ".swap " in step and ".done" in step)  # swap -> done
+    assert outcomes == [before] * (commit + 1) + [after] * (len(trace) - commit - 1)
+    assert halfway == len(fake.files) - 1  # killed between two files' renames: the files were half swapped
+
+
+def test_a_kill_mid_swap_is_rolled_back_by_whichever_verb_comes_next(fake, tmp_path):
+    tree, before, after = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1  # one file swapped in
+    for verb, expected in (("status", before), ("reverse", before), ("apply", after)):
+        copy = shutil.copytree(tree, tmp_path / verb)
+        assert fake.run("apply", copy, traced={"TRACE_TREE": str(copy), "TRACE_AT": str(mid)}).returncode == -9
+        assert digest(copy) not in (before, after)
+        proc = fake.run(verb, copy)
+        assert "rolled back an interrupted apply: every file is as it was" in proc.stderr, proc.stderr
+        assert digest(copy) == expected, verb
 
 
 @pytest.mark.parametrize("verb", VERBS)
-def test_sigkill_at_every_step_leaves_the_tree_whole(tmp_path, layout, verb, patched_listing):
-    start = start_tree(tmp_path, layout, verb)
-    before = digest(start)
-    after = patched_listing[layout] if verb == "apply" else digest(small_tree(tmp_path / "pristine", layout))
-    steps = steps_of(start, verb, tmp_path)
-    swapped = steps.index("journal:done")  # the "done" journal is written after this step
-    for number, (step, (tree, proc)) in enumerate(zip(steps, run_each(start, verb, steps, tmp_path))):
-        assert proc.returncode == -9, (step, proc.stdout, proc.stderr)
-        recover(tree)
-        assert digest(tree) == (before if number <= swapped else after), step
-
-
-@pytest.mark.parametrize("next_verb", ["status", "apply", "reverse"])
-def test_the_next_verb_recovers_a_killed_apply(tmp_path, layout, next_verb, patched_listing):
-    tree = start_tree(tmp_path, layout, "apply")
-    before = digest(tree)
-    assert run("apply", tree, env={"SGLANG_SERIES_FAULT": "swap:5"}).returncode == -9
-    assert digest(tree) != before  # half swapped, with the journal and side files beside it
-    proc = run(next_verb, tree)
-    assert "rolled back an interrupted apply: 4 of 10 files put back" in proc.stderr
-    expected = {"status": before, "reverse": before, "apply": patched_listing[layout]}[next_verb]
-    assert digest(tree) == expected, proc.stderr
-
-
-@pytest.mark.parametrize("layout, verb", [("checkout", "apply"), ("installed", "reverse")])
-def test_an_oserror_at_any_step_changes_nothing_or_finishes(tmp_path, layout, verb, patched_listing):
-    start = start_tree(tmp_path, layout, verb)
-    before = digest(start)
-    after = patched_listing[layout] if verb == "apply" else digest(small_tree(tmp_path / "pristine", layout))
-    steps = steps_of(start, verb, tmp_path)[:-1]
-    swapped = steps.index("journal:done")
-    faults = [f"{step}:{ERRNO.get(step.split(':')[0], 'EIO')}" for step in steps]
-    for number, (step, (tree, proc)) in enumerate(zip(steps, run_each(start, verb, faults, tmp_path))):
-        if number <= swapped:
-            assert proc.returncode == 1 and "nothing changed" in proc.stderr and f"injected at {step}" in proc.stderr
-            assert digest(tree) == before, step
-        else:  # only clean-up was left: the change stands, the next run removes what is left over
-            assert proc.returncode == 0 and "removing its side files failed" in proc.stderr, proc.stderr
-            recover(tree)
-            assert digest(tree) == after, step
-
-
-@pytest.mark.parametrize("layout, signame", [("checkout", "SIGINT"), ("installed", "SIGTERM")])
-def test_a_signal_cancels_before_the_swap_and_waits_for_it_after(tmp_path, layout, signame, patched_listing):
-    start = start_tree(tmp_path, layout, "apply")
-    before = digest(start)
-    steps = steps_of(start, "apply", tmp_path)
-    code = 128 + {"SIGINT": 2, "SIGTERM": 15}[signame]
-    faults = [f"{step}:{signame}" for step in steps]
-    for number, (step, (tree, proc)) in enumerate(zip(steps, run_each(start, "apply", faults, tmp_path))):
-        assert proc.returncode == code, (step, proc.stderr)
-        if number <= steps.index("journal:swap"):
-            assert "cancelled before any file changed" in proc.stderr and digest(tree) == before, step
+def test_an_error_at_any_write_changes_nothing_or_lets_the_change_stand(fake, tmp_path, verb):
+    """ENOSPC (a full disk) or EIO at each write: before the commit, the verb says nothing
+    changed and nothing did; after it, the change stands and the next verb tidies up."""
+    tree, before, after = start(fake, tmp_path, verb, VERBS[verb])
+    trace = steps(fake, tree, verb, tmp_path)
+    at = phases(trace)
+    faults = [{"TRACE_AT": str(n), "TRACE_DO": ("ENOSPC", "EIO")[n % 2]} for n in at]
+    commit = next(n for n, step in enumerate(trace, 1) if ".swap " in step and ".done" in step)
+    for number, (copy, proc) in zip(at, run_each(fake, tree, verb, faults, tmp_path)):
+        step = trace[number - 1]
+        if number <= commit:
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (step, proc.stderr)
+            assert "nothing changed" in proc.stderr and "injected at step" in proc.stderr, step
+            assert digest(copy) == before, step
         else:
-            assert "finished first" in proc.stderr and digest(tree) == patched_listing[layout], step
+            assert proc.returncode == 0 and "went through" in proc.stderr, (step, proc.stderr)
+            _series.recover(package(copy, VERBS[verb]))
+            assert digest(copy) == after, step
 
 
-@contextlib.contextmanager
-def unwritable(path: Path):
-    """Make ``path`` refuse changes: immutable as root (chattr +i), read-only otherwise.
-    Yields False when this filesystem cannot (the caller then uses the test hook)."""
-    if os.geteuid() == 0:
-        try:
-            done = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
-        except OSError:  # no chattr here (e2fsprogs not installed)
-            done = False
-        try:
-            yield done
-        finally:
-            if done:
-                subprocess.run(["chattr", "-i", str(path)], check=True)
-    else:
-        mode = path.stat().st_mode
-        path.chmod(0o555 if path.is_dir() else 0o444)
-        try:
-            yield True
-        finally:
-            path.chmod(mode)
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_at_any_write_cancels_or_waits_for_the_commit(fake, tmp_path, signame):
+    tree, before, after = start(fake, tmp_path, "apply", "checkout")
+    trace = steps(fake, tree, "apply", tmp_path)
+    commit, at = next(n for n, step in enumerate(trace, 1) if ".swap " in step and ".done" in step), phases(trace)
+    faults = [{"TRACE_AT": str(n), "TRACE_DO": signame} for n in at]
+    code = 128 + getattr(signal, signame)
+    for number, (copy, proc) in zip(at, run_each(fake, tree, "apply", faults, tmp_path)):
+        step = trace[number - 1]
+        if number <= commit:
+            assert proc.returncode == code and "nothing changed" in proc.stderr, (step, proc.stderr)
+            assert digest(copy) == before, step
+        else:  # finishing waits for no signal: the apply completes
+            assert proc.returncode == 0, (step, proc.stderr)
+            assert digest(copy) == after, step
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chattr is tried only as root")
-def test_unwritable_without_chattr_falls_back_to_the_hook(tmp_path, monkeypatch):
-    """Found by the image's build: as root where e2fsprogs is not installed, chattr is
-    missing; unwritable() must say it cannot (the caller then uses the test hook), not raise."""
-    (tmp_path / "no-commands").mkdir()
-    monkeypatch.setenv("PATH", str(tmp_path / "no-commands"))
-    with unwritable(tmp_path) as done:
-        assert done is False
-
-
-@pytest.mark.parametrize("verb", VERBS)
-@pytest.mark.parametrize("what", ["folder", "file"])
-def test_an_unwritable_folder_or_file_changes_nothing(tmp_path, layout, verb, what):
-    tree = start_tree(tmp_path, layout, verb)
+def test_ctrl_c_before_anything_is_written_is_one_line_and_130(fake, tmp_path):
+    tree = fake.tree(tmp_path / "tree")
     before = digest(tree)
-    pool_host = next(tree.rglob("sglang/srt/mem_cache/pool_host"))
-    victim = pool_host if what == "folder" else pool_host / "mamba.py"
-    if what == "file" and os.geteuid() != 0:
-        victim = pool_host  # a read-only file in a writable folder is replaced as git would: use the folder
-    with unwritable(victim) as refused:
-        fault = {} if refused else {"SGLANG_SERIES_FAULT": "write:5:EACCES"}
-        proc = run(verb, tree, env=fault)
-        assert digest(tree) == before
-    assert proc.returncode == 1 and "nothing changed" in proc.stderr, proc.stderr
-    assert "Operation not permitted" in proc.stderr or "Permission denied" in proc.stderr
-    assert run(verb, tree).returncode == 0  # and once writable, the same verb goes through
-
-
-def test_modes_are_kept(tmp_path, layout):
-    tree = start_tree(tmp_path, layout, "apply")
-    files = [tree / f for f in digest(tree) if f.endswith((".py", ".cuh")) and not f.endswith("__init__.py")]
-    for number, path in enumerate(files):
-        path.chmod((0o640, 0o755, 0o600)[number % 3])
-    modes = {p: p.stat().st_mode for p in files}
-    for verb in VERBS:
-        assert run(verb, tree).returncode == 0
-        assert {p: p.stat().st_mode for p in files} == modes, verb
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv (util-linux)")
-def test_a_user_who_cannot_finish_a_killed_swap_is_told_who_can():
-    """A root apply killed during the swap; another user's status names the cause
-    (permission denied) and who can finish it; root's status then does."""
-    shared = Path(tempfile.mkdtemp(prefix="series-other-user-"))  # pytest's own folders are root's alone
-    shared.chmod(0o755)
-    try:
-        check_other_user(shared)
-    finally:
-        shutil.rmtree(shared)
-
-
-def check_other_user(tmp_path: Path) -> None:
-    tree = start_tree(tmp_path, "installed", "apply")
-    before = digest(tree)
-    assert run("apply", tree, env={"SGLANG_SERIES_FAULT": "swap:5"}).returncode == -9
-    nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                             str(_series.ROOT / "scripts" / "status"), str(tree)], capture_output=True, text=True)
-    assert nobody.returncode == 1 and len(nobody.stderr.splitlines()) == 1, nobody.stderr
-    assert "permission denied" in nobody.stderr and "as root" in nobody.stderr
-    assert "not written by these scripts" not in nobody.stderr
-    root = run("status", tree)
-    assert root.returncode == 3 and "rolled back an interrupted apply" in root.stderr
+    proc = fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": "1", "TRACE_DO": "SIGINT"})
+    assert proc.returncode == 130 and len(proc.stderr.splitlines()) == 1 and "nothing changed" in proc.stderr
     assert digest(tree) == before
 
 
-@pytest.mark.parametrize("damage", ["old copies gone", "file changed since"])
-def test_a_swap_that_cannot_be_undone_still_leaves_a_usable_tree(tmp_path, patched_listing, damage):
-    """A reverse killed mid-swap, then its side copies removed by hand (or a swapped file
-    edited): the next verb undoes what it can, names what it leaves, removes the journal,
-    and the tree is usable: apply or reverse then complete it (or refuse an edit, naming it)."""
-    tree = start_tree(tmp_path, "installed", "reverse")
-    pristine = digest(small_tree(tmp_path / "pristine", "installed"))
-    assert run("reverse", tree, env={"SGLANG_SERIES_FAULT": "swap:5"}).returncode == -9
-    olds = sorted(tree.rglob(".*.sglang-series-old"))
-    swapped = [p.with_name(p.name[1:-len(".sglang-series-old")]) for p in olds][:4]
-    if damage == "old copies gone":
-        for old in olds:
-            old.unlink()
-    else:
-        swapped[0].write_bytes(swapped[0].read_bytes() + b"# edited\n")
-    proc = run("status", tree)
-    assert proc.returncode == 3, proc.stderr
-    assert not list(tree.rglob(".sglang-series-journal*"))
-    if damage == "old copies gone":
-        assert proc.stderr.count("keeps the new bytes (its old copy is gone)") == 4
-        assert run("reverse", tree).returncode == 0 and digest(tree) == pristine
+@needs_pristine
+@pytest.mark.parametrize("verb", ["apply", "reverse"])
+def test_a_full_disk_fails_a_write_part_way_and_changes_nothing(tmp_path, verb):
+    """The real series' files, a file-size limit below the largest: its copy fails part-way (EFBIG)."""
+    tree, before, _ = start(REAL, tmp_path, verb, "installed")
+    sizes = sorted(p.stat().st_size for p in package(tree, "installed").rglob("*") if p.is_file())
+    limit = sizes[-1] - 100
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    proc = subprocess.run([sys.executable, str(REAL.root / "scripts" / verb), str(tree)], capture_output=True,
+                          text=True, preexec_fn=limited)
+    assert proc.returncode == 1 and "File too large" in proc.stderr and "nothing changed" in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert digest(tree) == before
+    assert REAL.run(verb, tree).returncode == 0  # with room again, the same verb goes through
+
+
+@contextlib.contextmanager
+def read_only(tree: Path):
+    """Every folder of ``tree`` immutable (chattr +i, as root) or without write permission.
+    Yields False where neither holds (root on a filesystem without chattr)."""
+    folders = [tree, *[p for p in tree.rglob("*") if p.is_dir()]]
+    if os.geteuid() == 0:
+        done = shutil.which("chattr") and subprocess.run(["chattr", "+i", *map(str, folders)],
+                                                         capture_output=True).returncode == 0
+        try:
+            yield bool(done)
+        finally:
+            if done:
+                subprocess.run(["chattr", "-i", *map(str, folders)], check=True)
         return
-    kept = swapped[0].with_name(f".{swapped[0].name}.sglang-series-old")
-    assert f"{swapped[0]} changed since (its bytes before the change are in {kept})" in proc.stderr
-    assert kept.exists() and f"foreign: {kept.relative_to(tree)}" in proc.stdout
-    refused = run("apply", tree)
-    assert refused.returncode == 1 and "local edits" in refused.stderr and "nothing changed" in refused.stderr
+    for folder in folders:
+        folder.chmod(0o555)
+    try:
+        yield True
+    finally:
+        for folder in folders:
+            folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("verb", ["apply", "reverse"])
+def test_a_read_only_tree_is_read_and_refused_whole(fake, tmp_path, verb):
+    tree, before, _ = start(fake, tmp_path, verb, "installed")
+    with read_only(tree) as refusing:
+        if not refusing:
+            pytest.skip("root on a filesystem without chattr: no tree is read-only to this user")
+        status = fake.run("status", tree)
+        proc = fake.run(verb, tree)
+        assert digest(tree) == before
+    assert status.returncode == (3 if verb == "apply" else 0), status.stderr
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "nothing changed" in proc.stderr
+    assert "Operation not permitted" in proc.stderr or "Permission denied" in proc.stderr, proc.stderr
+    assert fake.run(verb, tree).returncode == 0  # and once writable, the same verb goes through
+
+
+def test_two_applies_at_once_one_wins_one_refuses(fake, tmp_path):
+    """One apply held mid-swap by the tracer; a second apply, a status and a reverse started
+    meanwhile refuse in one line and change nothing; the first then finishes."""
+    tree, before, after = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    mid, gate = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1, tmp_path / "go"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TRACE_TREE": str(tree), "TRACE_AT": str(mid),
+           "TRACE_DO": f"WAIT:{gate}"}
+    holder = subprocess.Popen([sys.executable, str(TRACER), str(fake.root / "scripts" / "apply"), str(tree)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not gate.with_name("go.waiting").exists():
+            assert time.time() < deadline and holder.poll() is None, holder.communicate()
+            time.sleep(0.05)
+        held = digest(tree)
+        assert held not in (before, after)  # mid-swap
+        for verb in ("apply", "status", "reverse"):
+            other = fake.run(verb, tree)
+            assert other.returncode == 1 and len(other.stderr.splitlines()) == 1, other.stderr
+            assert "another apply, reverse or status is working on" in other.stderr, verb
+        assert digest(tree) == held
+    finally:
+        gate.touch()
+        _, err = holder.communicate(timeout=60)
+    assert holder.returncode == 0, err
+    assert digest(tree) == after
+
+
+def test_a_file_changed_after_a_kill_is_kept_and_named(fake, tmp_path):
+    """A kill mid-swap, then a swapped file edited by hand: the next verb rolls the others
+    back, leaves the edit where it is and keeps the file's bytes before the apply beside it."""
+    tree, before, _ = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    first = next(step for step in trace if ".swap/new" in step).split()[-1].replace(str(tmp_path / "traced"), str(tree))
+    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
+    assert fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid)}).returncode == -9
+    edited = Path(first)
+    edited.write_text(edited.read_text() + "# edited after the kill\n")
+    proc = fake.run("status", tree)
+    assert f"{edited} changed since; its bytes before the apply are in {edited}.sglang-series-old" in proc.stderr
+    kept = edited.with_name(edited.name + ".sglang-series-old")
+    assert digest(tree)[str(kept.relative_to(tree))] == before[str(edited.relative_to(tree))]
+    assert f"foreign: {kept.relative_to(tree)}" in proc.stdout
+    assert "conflicting" in proc.stdout.splitlines()[0] or "local edits" in proc.stdout

@@ -1,9 +1,9 @@
 """The series' hygiene, as scripts/check enforces it: names, headers, export round trip, format.
 
 scripts/check runs on the real series in `make test` before pytest; these tests prove
-each of its checks fails when it should: header lint on fixture patches, the export
-round trip on a copy of this project whose patch no longer matches its commit, and
-SGLang's formatters on a patched tree with a badly formatted line.
+each of its checks fails when it should: header lint on fixture patches, the export round
+trip on a copy of this project whose patch no longer matches its commit, SGLang's
+formatters on a badly formatted line, and the index lines that apply checks git apply by.
 """
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.series_trees import ROOT, _series, git_apply, needs_pristine
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from _work import patch_name  # noqa: E402
+from tests.support.series_trees import ROOT, _series, digest, fake, git_apply, needs_pristine, package  # noqa: F401
 
 
 def load_check():
@@ -34,29 +31,18 @@ def load_check():
 check = load_check()
 TOOLS = Path(os.environ.get("SERIES_LINT_TOOLS") or Path(sys.executable).parent)
 
-SUBJECTS = {
-    "hicache: let the staged write-back read a strided source":
-        "0001-hicache-let-the-staged-write-back-read-a-strided-source.patch",
-    "mamba: let the state transfer kernels step device slots by a given stride":
-        "0002-mamba-let-the-state-transfer-kernels-step-device-slots.patch",
-    "hicache: copy Mamba state from per-layer, strided device views":
-        "0005-hicache-copy-Mamba-state-from-per-layer-strided-device-views.patch",
-    "hicache: split --hicache-size by the tokens each device pool serves":
-        "0006-hicache-split-hicache-size-by-the-tokens-each-device-pool.patch",
-    "mamba: keep more host reads in flight when loading state to the device":
-        "0007-mamba-keep-more-host-reads-in-flight-when-loading-state.patch",
-}
 
-
-@pytest.mark.parametrize("subject", SUBJECTS)
-def test_patch_names_are_whole_words(subject):
-    number = int(SUBJECTS[subject][:4])
-    name = patch_name(number, subject)
-    assert name == SUBJECTS[subject]
-    slug = name[5:-len(".patch")]
-    assert len(slug) <= 60
-    words = re.split(r"[^A-Za-z0-9_.]+", subject)
-    assert slug.split("-") == [w for w in words if w][: len(slug.split("-"))]  # a run of whole words
+@pytest.mark.parametrize("subject, name", [
+    ("hicache: a short subject", "0001-hicache-a-short-subject.patch"),
+    ("mamba: let the state transfer kernels step device slots by a given stride",  # cut, not on "by"
+     "0002-mamba-let-the-state-transfer-kernels-step-device-slots.patch"),
+    ("hicache: split --hicache-size by the tokens each device pool serves",
+     "0003-hicache-split-hicache-size-by-the-tokens-each-device-pool.patch"),
+    ("a: v0.5.20's file.py, (and more)", "0004-a-v0.5.20-s-file.py-and-more.patch"),
+])
+def test_patch_names_are_whole_words_of_the_subject(subject, name):
+    assert _series.patch_name(int(name[:4]), subject) == name
+    assert len(name[5:-len(".patch")]) <= 60
 
 
 FIXTURE = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
@@ -130,15 +116,13 @@ def project_copy(dest: Path) -> Path:
 
 
 @needs_pristine
-@pytest.mark.project_files  # the project's git history and lint tools (requirements/lint.txt)
+@pytest.mark.project_files  # the project's lint tools (requirements/lint.txt)
 def test_the_export_round_trip_catches_a_patch_its_commit_would_not_give(tmp_path):
     """A hunk header's function context is git's to write: edited by hand, only a
     re-export from the commits shows it."""
     project = project_copy(tmp_path / "project")
     patch = project / "patches" / _series.read_series()[0].name
-    text = patch.read_text()
-    header = re.search(r"^@@ -\d+,\d+ \+\d+,\d+ @@(.*)$", text, re.M)
-    patch.write_text(text.replace(header.group(0), header.group(0).replace(header.group(1), " edited by hand"), 1))
+    patch.write_text(re.sub(r"^(@@ [^@]+ @@).*$", r"\1 edited by hand", patch.read_text(), count=1, flags=re.M))
     proc = subprocess.run([sys.executable, str(project / "scripts" / "check"),
                            str(Path(os.environ["PRISTINE_SGLANG"]).parent), "--tools", str(TOOLS)],
                           capture_output=True, text=True)
@@ -148,34 +132,41 @@ def test_the_export_round_trip_catches_a_patch_its_commit_would_not_give(tmp_pat
     assert "edited by hand" in proc.stderr
 
 
-@needs_pristine
 @pytest.mark.project_files  # the project's lint tools (requirements/lint.txt)
-def test_sglang_formatters_catch_a_badly_formatted_line(tmp_path):
-    series = _series.Series.load()
-    pristine = _series.find_target(Path(os.environ["PRISTINE_SGLANG"]).parent)
-    tree = check.copy_tree(pristine, tmp_path / "tree", "checkout", series.paths).root  # with SGLang's .clang-format
-    git_apply(tree, "checkout")
-    assert check.check_format(_series.find_target(tree), series, TOOLS) == []  # as the series is
-    python = next(p for p in series.paths if p.endswith(".py"))
-    kernel = next(p for p in series.paths if p.endswith(".cuh"))
-    for path, line in ((python, b"x = [ 1,2 ]\n"), (kernel, b"int  x( int a ){return a;}\n")):
-        (tree / path).write_bytes((tree / path).read_bytes() + line)
-    problems = check.check_format(_series.find_target(tree), series, TOOLS)
+def test_sglang_formatters_catch_a_badly_formatted_line(fake, tmp_path):
+    tree = fake.tree(tmp_path / "tree", "checkout", patched=True)
+    series = _series.Series(fake.root / "patches")
+    target = _series.find_target(tree)
+    assert check.check_format(target, series, TOOLS) == []
+    python = next(rel for rel in series.files if rel.endswith(".py"))
+    kernel = next(rel for rel in series.files if rel.endswith(".cuh"))
+    for rel, line in ((python, b"x = [ 1,2 ]\n"), (kernel, b"int  x( int a ){return a;}\n")):
+        (target.package_dir / rel).write_bytes((target.package_dir / rel).read_bytes() + line)
+    problems = check.check_format(target, series, TOOLS)
     assert len(problems) == 2, problems
-    assert "ruff format would change" in problems[0] and python[len("python/"):] in problems[0]
-    assert f"clang-format would change {kernel}" in problems[1]
+    assert "ruff format would change" in problems[0] and python in problems[0]
+    assert f"clang-format would change python/sglang/{kernel}" in problems[1]
 
 
-@needs_pristine
-def test_blob_ids_that_do_not_match_the_files_are_caught(tmp_path):
-    """The index lines are how the scripts know SGLang's own file (local edits): wrong ones must fail."""
-    series = _series.Series.load()
-    pristine = {p: (Path(os.environ["PRISTINE_SGLANG"]) / p[len("python/"):]).read_bytes() for p in series.paths}
-    assert check.check_blob_ids(series, pristine, "real") == []
-    source = _series.read_series()[2]
-    text = source.read_text()
-    old_blob = re.search(r"^index ([0-9a-f]{40})\.\.", text, re.M).group(1)
-    (tmp_path / source.name).write_text(text.replace(old_blob, "0" * 40, 1))
-    patches = [tmp_path / source.name if p == source else p for p in _series.read_series()]
-    problems = check.check_blob_ids(_series.Series(patches), pristine, "edited")
-    assert len(problems) == 1 and f"{source.name}: " in problems[0] and f"is not blob {'0' * 40}" in problems[0]
+def test_what_git_apply_writes_is_checked_against_the_index_lines(fake, tmp_path):
+    """The index lines name each file's blob after each patch: a series whose last index
+    line is wrong is refused before anything is written."""
+    last = fake.patches[-1]
+    text = last.read_text()
+    new = re.findall(r"^index [0-9a-f]+\.\.([0-9a-f]{40})", text, re.M)[-1]
+    last.write_text(text.replace(f"..{new}", f"..{'0' * 40}"))
+    tree = fake.tree(tmp_path / "tree")
+    before = digest(tree)
+    proc = fake.run("apply", tree)
+    assert proc.returncode == 1 and "other bytes than the index lines name" in proc.stderr and digest(tree) == before
+
+
+def test_the_series_digest_is_what_sha256sum_says_of_the_series(fake):
+    """One digest for the wheel's version, the record and the e2e reports: the sha256 of
+    `sha256sum series PATCH...` run in patches/, so that anyone can recompute it."""
+    names = (fake.root / "patches" / "series").read_text().split()
+    listing = subprocess.run(["sha256sum", "series", *names], cwd=fake.root / "patches", capture_output=True,
+                             check=True).stdout
+    state = _series.series_state(fake.root / "patches")
+    assert state["digest"] == __import__("hashlib").sha256(listing).hexdigest()
+    assert list(state["files"]) == ["series", *names]

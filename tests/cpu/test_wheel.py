@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.support.series_trees import PRISTINE, ROOT, _series, local, needs_pristine, run, small_tree
+from tests.support.series_trees import PRISTINE, REAL, ROOT, needs_pristine
 
 pytestmark = needs_pristine
 
@@ -39,7 +39,7 @@ def base() -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, base) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    proc = run("build-wheel", "--base-wheel", base, "--pristine", PRISTINE, "--out", out)
+    proc = REAL.run("build-wheel", "--base-wheel", base, "--pristine", PRISTINE, "--out", out)
     assert proc.returncode == 0, proc.stderr
     return Path(proc.stdout.strip())
 
@@ -92,28 +92,28 @@ def test_the_record_lists_every_file_with_its_hash(built, base):
 
 
 def test_the_installed_wheel_reads_as_applied_reverses_and_applies_again(site, base):
-    status = run("status", site)
+    status = REAL.run("status", site)
     assert status.returncode == 0 and status.stdout.splitlines()[0].endswith("series applied"), status.stdout
     assert "local edits" not in status.stdout
-    assert run("reverse", site).returncode == 0
+    assert REAL.run("reverse", site).returncode == 0
     with zipfile.ZipFile(base) as original:
-        for path in _series.Series.load().paths:
-            assert (site / local("installed", path)).read_bytes() == original.read(local("installed", path)), path
-    applied = run("apply", site)
+        for rel in REAL.files:
+            assert (site / "sglang" / rel).read_bytes() == original.read(f"sglang/{rel}"), rel
+    applied = REAL.run("apply", site)
     assert applied.returncode == 0, applied.stderr
-    assert run("status", site).returncode == 0
+    assert REAL.run("status", site).returncode == 0
 
 
 def test_either_pristine_source_builds_the_same_wheel(tmp_path, base, built):
     """The submodule checkout (python/sglang at the pinned commit) is as good a pristine
     source as the wheel's own tree; a tree that differs from the wheel is refused."""
-    checkout = small_tree(tmp_path / "checkout", "checkout")
+    checkout = REAL.tree(tmp_path / "checkout", "checkout")
     (checkout / "python" / "sglang" / "_version.py").unlink()  # a source checkout has none
-    proc = run("build-wheel", "--base-wheel", base, "--pristine", checkout, "--out", tmp_path / "out")
+    proc = REAL.run("build-wheel", "--base-wheel", base, "--pristine", checkout, "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).read_bytes() == built.read_bytes()
-    mamba = checkout / "python/sglang/srt/mem_cache/pool_host/mamba.py"
-    mamba.write_bytes(mamba.read_bytes() + b"# not the release\n")
-    proc = run("build-wheel", "--base-wheel", base, "--pristine", checkout, "--out", tmp_path / "refused")
-    assert proc.returncode == 1 and "sglang/srt/mem_cache/pool_host/mamba.py in the wheel differs from" in proc.stderr
+    edited = checkout / "python/sglang" / REAL.files[0]
+    edited.write_bytes(edited.read_bytes() + b"# not the release\n")
+    proc = REAL.run("build-wheel", "--base-wheel", base, "--pristine", checkout, "--out", tmp_path / "refused")
+    assert proc.returncode == 1 and f"sglang/{REAL.files[0]} in the wheel differs from" in proc.stderr
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())

@@ -1,7 +1,7 @@
 """The Python lines the patch series adds, located in the patched tree.
 
 The series is read fresh from patches/ on every run: the .py files its patches touch
-(``diff --git`` headers) and, in each, the lines of the patched file that are not in
+(scripts/_series.py reads the patches) and, in each, the lines of the patched file that are not in
 SGLang 0.5.20's file (the net ``+`` lines of the whole series: a line one patch adds
 and a later one rewrites counts once, in its final form). Comments, blank lines and
 docstrings are left out; what remains is code a mutant can change.
@@ -31,14 +31,7 @@ class SeriesFile:
 
 
 def series_py_files() -> list[str]:
-    seen = []
-    for patch in _series.read_series():
-        for upstream in _series.touched_files(patch):
-            if upstream.endswith(".py"):
-                local = upstream[len(_series.UPSTREAM_PREFIX):]
-                if local not in seen:
-                    seen.append(local)
-    return seen
+    return [f"sglang/{rel}" for rel in _series.Series().files if rel.endswith(".py")]
 
 
 def added_lines(pristine: str, patched: str) -> list[int]:

@@ -57,7 +57,7 @@ import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
 from compare_servers import patches_state  # noqa: E402  (the series digest, until scripts/ has the one)
 
-CLIENT_STANDIN = HERE / "standin" / "bench_client"
+CLIENT_STANDIN = HERE.parent / "rig" / "standin" / "bench_client"
 
 
 @dataclass(frozen=True)

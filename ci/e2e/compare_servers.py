@@ -51,6 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "rig"))   # real_kernels: the GPU rig's op recorder
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)
-    if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/e2e/real_kernels/setup.sh)
+    if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/rig/real_kernels/setup.sh)
         report["sgl_kernel_ops"] = sgl_kernel_calls.summary(os.environ["SGLK_REAL_LOG"],
                                                             os.environ.get("SGLK_CALL_LOG"))
     Path(opts.out).write_text(json.dumps(report, indent=1))

@@ -34,8 +34,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-# an import-only deep_gemm (standin/README.md), for servers whose environment lacks it
-STANDIN_SITE = HERE / "standin" / "site"
+# an import-only deep_gemm (ci/rig/README.md), for servers whose environment lacks it
+STANDIN_SITE = HERE.parent / "rig" / "standin" / "site"
 # what a request to a server that is starting, dying or gone raises
 UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
@@ -257,7 +257,7 @@ def check_trees(pristine: str | None, patched: str | None) -> dict[str, str]:
 VERSIONS_PROBE = (
     "import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
     "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
-    # a package unpacked without its dist-info (ci/e2e/real_kernels): its own version
+    # a package unpacked without its dist-info (ci/rig/real_kernels): its own version
     "def real_sgl_kernel():\n"
     " import sgl_kernel\n"
     " return f'{sgl_kernel.__version__} (real ops, {os.path.dirname(sgl_kernel.__file__)})'\n"

@@ -42,6 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "rig"))   # real_kernels: the GPU rig's op recorder
 import e2e_matrix as matrix  # noqa: E402
 import servers  # noqa: E402
 import soak_faults as faults  # noqa: E402
@@ -273,7 +274,7 @@ class Soak:
             self.fleet.phase_stop.set()
             self.fleet.stop_all()
             self.budget.clear()
-        if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/e2e/real_kernels/setup.sh)
+        if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/rig/real_kernels/setup.sh)
             self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(
                 os.environ["SGLK_REAL_LOG"], os.environ.get("SGLK_CALL_LOG"))})
         if finished:

@@ -1,4 +1,4 @@
-"""tests/gpu/device_session.sh's setup, without a GPU: the benchmark's native variant
+"""ci/rig/device_session.sh's setup, without a GPU: the benchmark's native variant
 must get SGLang as shipped even when the installed tree it copies was patched by an
 earlier call, and the session must stop rather than time a tree in any other state."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSION = ROOT / "tests" / "gpu" / "device_session.sh"
+SESSION = ROOT / "ci" / "rig" / "device_session.sh"
 
 
 def series_state(python_dir: Path) -> str:

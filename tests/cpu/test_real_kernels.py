@@ -1,4 +1,4 @@
-"""The recipe that runs SGLang on sglang-kernel's real ops (ci/e2e/real_kernels): what can
+"""The recipe that runs SGLang on sglang-kernel's real ops (ci/rig/real_kernels): what can
 be checked without a GPU. A fake sgl_kernel package (pure Python, its ops registered with
 torch.library on the CPU) stands where sglang-kernel 0.4.5's would: the bundle is
 unpacked, the recorder hooked into the package, and every process that calls an op logs
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "ci" / "e2e" / "real_kernels"
+RECIPE = ROOT / "ci" / "rig" / "real_kernels"
 sys.path.insert(0, str(RECIPE))
 import sgl_kernel_calls as calls  # noqa: E402
 

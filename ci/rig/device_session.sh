@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
-# One call on a GPU machine without network (docs/gpu-results.md), where SGLang 0.5.20 and
-# kvcached 0.1.6 are installed into /tmp/site: keep a pristine copy of SGLang for the benchmark's native
-# variant, apply the series to the installed tree, then run the steps named in $STEPS:
+# One call on a GPU machine without network (ci/rig/README.md), where SGLang 0.5.20 and
+# kvcached 0.1.6 are installed into $SGLANG_SITE (default /tmp/site): keep a pristine copy of
+# SGLang for the benchmark's native variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_PARTS, $GPU_TESTS, $GPU_TRIPS:
 #              tests/gpu/run_tier.sh)
 #   bench      bench/transfer_bench.py, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
-#   profile    bench/profile_transfers.py (host issue vs kernel time), native = the pristine copy
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
 #              at spaces, no quotes, no file-name globbing)
-# HUGEPAGES_2MB=N first reserves N huge pages of 2 MiB (as root), for bench --host-hugepages 2MB.
-# REAL_KERNELS=1 runs every step on sglang-kernel 0.4.5's compiled ops (ci/e2e/real_kernels:
+# REAL_KERNELS=1 runs every step on sglang-kernel 0.4.5's compiled ops (ci/rig/real_kernels:
 # .e2e/sgl_kernel_045_sm90.tgz) in place of the import stand-in, and writes which ops ran to
 # $out/sgl_kernel_ops.json.
-# Usage there: source .device/setup.sh; STEPS="tier bench" bash tests/gpu/device_session.sh $OUT
+# Usage there, with $SGLANG_SITE on PYTHONPATH: STEPS="tier bench" bash ci/rig/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -24,8 +22,8 @@ pristine=${PRISTINE_SITE:-/tmp/pristine}
 steps=${STEPS:-tier bench}
 if [ -n "${REAL_KERNELS:-}" ]; then
   export SGLK_REAL_LOG=$out/sgl_kernel_real_ops.log
-  # shellcheck source=../../ci/e2e/real_kernels/setup.sh
-  source ci/e2e/real_kernels/setup.sh > "$out/real-kernels.log" 2>&1 || { cat "$out/real-kernels.log"; exit 1; }
+  # shellcheck source=real_kernels/setup.sh
+  source ci/rig/real_kernels/setup.sh > "$out/real-kernels.log" 2>&1 || { cat "$out/real-kernels.log"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
 python3 -c "import torch, kvcached, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda); print('kvcached', kvcached.__version__); print('sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
@@ -42,10 +40,6 @@ if ! grep -q "^SGLang .*: series pristine$" "$out/pristine-status.txt" \
   echo "no pristine SGLang at $pristine for the native variant:" >&2
   cat "$out/pristine-reverse.log" "$out/pristine-status.txt" "$out/pristine-status.err" >&2
   exit 1
-fi
-if [ -n "${HUGEPAGES_2MB:-}" ]; then
-  echo "$HUGEPAGES_2MB" > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
-  grep -i huge /proc/meminfo > "$out/hugepages.txt" 2>&1
 fi
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has unpatched; then
@@ -69,18 +63,13 @@ if has bench; then
     > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi
-if has profile; then
-  python3 bench/profile_transfers.py --native-sglang "$pristine" --out "$out/profile.json" ${PROFILE_ARGS:-} \
-    > "$out/profile.log" 2>&1
-  echo "profile exit: $?" >> "$out/profile.log"
-fi
 if [ -n "${REAL_KERNELS:-}" ]; then
-  python3 ci/e2e/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
+  python3 ci/rig/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
     ${SGLK_CALL_LOG:+--stand-in-log "$SGLK_CALL_LOG"} \
     >> "$out/real-kernels.log" 2>&1
   echo "== real sgl_kernel"; cat "$out/real-kernels.log"
 fi
-for f in unpatched patched differential bench profile; do
+for f in unpatched patched differential bench; do
   [ -f "$out/$f.log" ] && { echo "== $f"; grep -E "passed|failed|exit:|GB/s|cases|differ|^\|" "$out/$f.log" | tail -n 60; }
 done
 exit 0  # each step's exit status is the last line of its log

@@ -6,5 +6,5 @@ Put on the client's path only where `datasets` is not installed (ci/e2e/bench_se
 
 
 def load_dataset(*args, **kwargs):
-    raise RuntimeError("datasets is a stand-in here (ci/e2e/standin/bench_client): only SGLang's generated "
+    raise RuntimeError("datasets is a stand-in here (ci/rig/standin/bench_client): only SGLang's generated "
                        "benchmark sets work; install the datasets package for the others")

@@ -173,7 +173,7 @@ def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_lo
 
 def series_applied(site: str) -> str:
     """What scripts/status says of the tree this child imports: its first line, then any
-    files it finds missing, edited outside the series' hunks, or left by a patch tool."""
+    files it finds missing, edited outside the series' changes, or left by a patch tool."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "status"), site],
                           capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()

@@ -32,7 +32,7 @@ if [ ! -d "$pristine/sglang" ]; then
 fi
 # The copy is of $site as it stands, which an earlier call may have patched: take the
 # series out (a no-op on a pristine tree), and stop unless scripts/status finds none of
-# the series in it and no file missing, edited outside the series' hunks, or stray.
+# the series in it and no file missing, edited outside the series' changes, or stray.
 python3 scripts/reverse "$pristine" > "$out/pristine-reverse.log" 2>&1
 python3 scripts/status "$pristine" > "$out/pristine-status.txt" 2> "$out/pristine-status.err"
 if ! grep -q "^SGLang .*: series pristine$" "$out/pristine-status.txt" \

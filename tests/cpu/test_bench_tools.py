@@ -652,7 +652,7 @@ def test_a_native_tree_edited_outside_the_series_is_refused(tmp_path):
     with open(tmp_path / "pristine" / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py", "a") as handle:
         handle.write("\nEDITED = True\n")
     with pytest.raises(SystemExit, match=r"native: needs .*: series pristine; local edits \(outside the series' "
-                                         r"hunks\): sglang/srt/mem_cache/pool_host/mha\.py"):
+                                         r"changes\): sglang/srt/mem_cache/pool_host/mha\.py"):
         transfer_bench.meta_row("native", sglang_tree(tmp_path / "pristine"))
 
 

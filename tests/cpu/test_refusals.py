@@ -159,7 +159,7 @@ def _mixed_mamba_pool(mix):
 
 
 @pytest.mark.parametrize("kind,names", [("mha", "MHA KV"), ("mla", "MLA KV"),
-                                        ("mamba-temporal", "the Mamba temporal state"),
+                                        ("mamba-temporal", "Mamba temporal state"),
                                         ("mamba-conv", "Mamba conv state 0")])
 def test_views_without_one_row_stride_are_refused_by_name(host_modules, kind, names):
     """A pool whose views share no row stride cannot be copied by any kernel: the refusal

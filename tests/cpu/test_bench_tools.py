@@ -1,8 +1,4 @@
-"""The benchmark's own logic, without a GPU: what its tables and forced unrolls claim.
-
-bench/RESULTS.md reads ratios out of transfer_bench.table() and compares kernels at
-unrolls that profile_transfers.force_unroll() imposes; both must say what ran.
-"""
+"""bench/transfer_bench.py without a GPU: what its tables claim and what its CLI refuses."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +14,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import profile_transfers  # noqa: E402
 import transfer_bench  # noqa: E402
 
 
@@ -111,41 +106,6 @@ def test_token_sets_are_whole_pages_in_range_random_or_one_run(runs):
     assert len(starts) > 5   # runs start at random pages, not always at the first
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    from sglang.kernels.ops.kvcache import hicache
-
-    unrolls = []
-
-    def module(*, element_size, unroll, block_quota):
-        return type("Module", (), {"launch_one_mla": staticmethod(lambda *args: unrolls.append(unroll))})
-
-    monkeypatch.setattr(hicache, "_jit_hicache_module", module)
-    for name in ("_default_unroll", "_unroll_for_batch"):  # force_unroll rebinds them
-        if hasattr(hicache, name):
-            monkeypatch.setattr(hicache, name, getattr(hicache, name))
-    yield hicache, unrolls
-    profile_transfers.force_unroll(None)
-
-
-def test_forced_unroll_reaches_the_kernel_launch(launches):
-    hicache, unrolls = launches
-    rows = torch.zeros(4096, 1, 576, dtype=torch.bfloat16)
-    index = torch.arange(4096)
-
-    def one_layer():
-        hicache.transfer_hicache_one_layer_mla(cache_dst=rows, indices_dst=index, cache_src=rows.clone(),
-                                               indices_src=index)
-
-    for forced in (1, 2, 4):
-        profile_transfers.force_unroll(forced)
-        one_layer()
-    profile_transfers.force_unroll(None)
-    one_layer()
-    assert unrolls[:3] == [1, 2, 4]
-    assert unrolls[3] == hicache._default_unroll(1152)  # the tree's own choice back
-
-
 class FakeServingChild:
     """A serving child that offers `cells` and answers each ask with the cell and mode."""
 
@@ -179,12 +139,11 @@ def test_cell_by_cell_times_each_cell_in_all_rounds_and_variants_before_the_next
     events, saved = [], []
     offers = {"native": [LINK, A, B], "patched-dense": [A, B], "kvcached-contiguous": [A]}
     rows = transfer_bench.cell_by_cell_rows(list(offers), 2, lambda m: FakeServingChild(m, offers[m], events),
-                                           save=lambda rows: saved.append(len(rows)),
-                                           on_ready=lambda: events.append(("ready",)))
-    # started one after another, each set up (hello) before the next starts; then ready
-    assert events[:7] == [("start", "native"), ("hello", "native"), ("start", "patched-dense"),
+                                           save=lambda rows: saved.append(len(rows)))
+    # started one after another, each set up (hello) before the next starts
+    assert events[:6] == [("start", "native"), ("hello", "native"), ("start", "patched-dense"),
                           ("hello", "patched-dense"), ("start", "kvcached-contiguous"),
-                          ("hello", "kvcached-contiguous"), ("ready",)]
+                          ("hello", "kvcached-contiguous")]
     asks = [(e[1], e[2]) for e in events if e[0] == "ask"]
     assert asks == [("native", LINK), ("native", LINK),
                     ("native", A), ("patched-dense", A), ("kvcached-contiguous", A),
@@ -307,40 +266,6 @@ def test_a_profiled_cell_takes_the_median_gpu_time_of_as_many_profiled_runs_as_a
     link = (dict(mode="pinned-copy", pool="link", direction="load", host_layout="-", batch=1 << 30), 1 << 30,
             lambda i: None, False)
     assert "kernel_us" not in transfer_bench.measure(link, 4, 5) and asked == [5, 3]
-
-
-def test_hugepages_needed_counts_whole_pages_per_pool_layout_and_child(monkeypatch):
-    sizes = {"mha": 5 << 20, "mla": (6 << 20) + 1}
-    monkeypatch.setattr(transfer_bench, "host_pool_bytes", lambda part, tokens: sizes[part])
-    # a whole-run child holds one host pool at a time: the largest
-    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first", "layer_first"), "2MB") == 4
-    # serving children hold every part's pool in every layout, all at once
-    assert transfer_bench.hugepages_needed(["link", "mha", "mla"], ("page_first",), "2MB", 1) == 3 + 4
-    assert transfer_bench.hugepages_needed(["mha", "mla"], ("page_first", "layer_first"), "2MB", 4) == 7 * 2 * 4
-    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), "1GB", 2) == 2
-
-
-def test_free_hugepages_are_read_per_size_less_those_reserved_and_none_where_not_reserved(tmp_path):
-    (tmp_path / "hugepages-2048kB").mkdir()
-    for name, n in (("nr_hugepages", 20), ("free_hugepages", 12), ("resv_hugepages", 5)):
-        (tmp_path / "hugepages-2048kB" / name).write_text(f"{n}\n")
-    assert transfer_bench.free_hugepage_bytes("2MB", str(tmp_path)) == 7 * (2 << 20)
-    assert transfer_bench.hugepage_counts("2MB", str(tmp_path)) == dict(nr_hugepages=20, free_hugepages=12,
-                                                                        resv_hugepages=5)
-    assert transfer_bench.free_hugepage_bytes("1GB", str(tmp_path)) == 0
-
-
-def test_too_few_huge_pages_is_refused_with_how_many_to_reserve(monkeypatch, tmp_path, capsys):
-    need = transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB")
-    with pytest.raises(SystemExit) as exc:
-        run_main(monkeypatch, tmp_path, "--parts", "mha", "--host-layouts", "page_first", "--host-hugepages", "2MB",
-                 counts=dict(nr_hugepages=10, free_hugepages=3, resv_hugepages=1))
-    assert exc.value.code == 2 and not (tmp_path / "r.json").exists()
-    # 2 of the 10 are free for a new mapping: the pool's total must grow by what is missing
-    message = capsys.readouterr().err
-    assert f"the host pools need {need} free huge pages, 2 are" in message
-    assert f"echo {10 + need - 2} > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages" in message
-
 
 
 # --- which tree each child imports, and the real reply channel in a child ---------------
@@ -467,26 +392,23 @@ def test_whole_run_children_profile_each_kv_cell_as_often_as_asked(fake_serving,
     assert len(timed) == 4 and {r["profiles"] for r in timed} == {9}
 
 
-# --- main(): what it hands its children, and the huge-page checks ------------------------
+# --- main(): what it hands its children ---------------------------------------------------
 
-def run_main(monkeypatch, tmp_path, *argv, counts=None, cells=()):
-    """transfer_bench.main() with its children, the GPU and the kernel's huge-page counts faked
-    (serving children offer `cells`); returns (mode, args, SGLANG_HUGEPAGE_SIZE) per child
-    started."""
-    counts = counts or dict(nr_hugepages=10**6, free_hugepages=10**6, resv_hugepages=0)
+def run_main(monkeypatch, tmp_path, *argv, cells=()):
+    """transfer_bench.main() with its children and the GPU faked (serving children offer
+    `cells`); returns (mode, args) per child started."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(transfer_bench, "hugepage_counts", lambda size, sysfs=None: dict(counts))
     monkeypatch.setattr(transfer_bench, "table", lambda rows: "")
     seen = []
 
     def run_child(script, mode, native, args):
-        seen.append((mode, args, os.environ.get("SGLANG_HUGEPAGE_SIZE")))
+        seen.append((mode, args))
         return [dict(mode=mode, pool="meta")]
 
     class Child:
         def __init__(self, script, mode, native, args):
             self.mode = mode
-            seen.append((mode, args, os.environ.get("SGLANG_HUGEPAGE_SIZE")))
+            seen.append((mode, args))
 
         def receive(self):
             return dict(rows=[], cells=[list(c) for c in cells])
@@ -506,98 +428,27 @@ def run_main(monkeypatch, tmp_path, *argv, counts=None, cells=()):
     return seen
 
 
-@pytest.fixture
-def no_hugepage_env(monkeypatch):
-    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "")   # recorded, so main()'s setting is undone after
-    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE")
+def test_main_hands_profiles_to_every_child(monkeypatch, tmp_path):
+    seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,patched-dense", "--profiles", "7")
+    assert [m for m, _ in seen] == ["native", "patched-dense"]
+    for _, args in seen:
+        assert args[args.index("--profiles") + 1] == "7"
 
 
-def test_main_hands_profiles_and_huge_pages_to_every_child(monkeypatch, tmp_path, no_hugepage_env):
-    seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,patched-dense", "--profiles", "7",
-                    "--host-hugepages", "2MB")
-    assert [m for m, _, _ in seen] == ["native", "patched-dense"]
-    for _, args, hugepages in seen:
-        assert args[args.index("--profiles") + 1] == "7" and hugepages == "2MB"
-    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
-    assert meta["host_hugepages"] == "2MB" and meta["free_hugepages_before"] == 10**6
-
-
-def test_serving_children_are_all_counted_and_exactly_enough_pages_do(monkeypatch, tmp_path, no_hugepage_env):
-    one = transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB", 1)
-    argv = ("--parts", "mha", "--host-layouts", "page_first", "--modes", "native,patched-dense", "--cell-by-cell",
-            "--host-hugepages", "2MB")
-    with pytest.raises(SystemExit):
-        run_main(monkeypatch, tmp_path, *argv, counts=dict(nr_hugepages=2 * one, free_hugepages=2 * one - 1,
-                                                           resv_hugepages=0))
-    enough = dict(nr_hugepages=2 * one + 3, free_hugepages=2 * one + 3, resv_hugepages=3)
-    assert len(run_main(monkeypatch, tmp_path, *argv, counts=enough)) == 2
-
-
-def test_process_sets_start_fresh_children_per_set_and_number_the_rounds_on(monkeypatch, tmp_path, no_hugepage_env):
+def test_process_sets_start_fresh_children_per_set_and_number_the_rounds_on(monkeypatch, tmp_path):
     seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,kvcached-per-layer",
                     "--cell-by-cell", "--rounds", "2", "--process-sets", "3", cells=[A])
-    assert [m for m, _, _ in seen] == ["native", "kvcached-per-layer"] * 3
+    assert [m for m, _ in seen] == ["native", "kvcached-per-layer"] * 3
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert sorted((r["mode"], r["round"]) for r in rows) == sorted(
         (m, r) for m in ("native", "kvcached-per-layer") for r in range(6))
 
 
-@pytest.mark.parametrize("argv", [("--profiles", "0"), ("--process-sets", "2"), ("--cell-by-cell", "--parts", "mha,mamba"),
-                                  ("--host-hugepages", "2MB", "--parts", "mha,mamba")])
-def test_main_refuses_what_it_cannot_run(monkeypatch, tmp_path, no_hugepage_env, argv):
+@pytest.mark.parametrize("argv", [("--profiles", "0"), ("--process-sets", "2"), ("--cell-by-cell", "--parts", "mha,mamba")])
+def test_main_refuses_what_it_cannot_run(monkeypatch, tmp_path, argv):
     with pytest.raises(SystemExit) as exc:
         run_main(monkeypatch, tmp_path, *argv)
     assert exc.value.code == 2 and not (tmp_path / "r.json").exists()
-
-
-def test_main_refuses_huge_pages_it_was_not_asked_for(monkeypatch, tmp_path, capsys, no_hugepage_env):
-    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2MB")
-    with pytest.raises(SystemExit) as exc:
-        run_main(monkeypatch, tmp_path, "--parts", "mha")
-    assert exc.value.code == 2 and "pass --host-hugepages instead" in capsys.readouterr().err
-
-
-def test_host_pools_say_how_much_of_them_is_in_huge_pages_and_the_table_names_those_that_are_not(monkeypatch):
-    frees = iter([100 << 21, 60 << 21])
-    monkeypatch.setattr(transfer_bench, "free_hugepage_bytes", lambda size, sysfs=None: next(frees))
-    kv = transfer_bench.KVBench.__new__(transfer_bench.KVBench)   # its host pool only
-    kv.pool, kv.drafts = None, []
-    kv.host_cls = lambda *a, **k: SimpleNamespace(
-        kv_buffer=SimpleNamespace(numel=lambda: 40 << 20, element_size=lambda: 2))
-    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2mb")
-    host = kv.host_pool("page_first")
-    assert transfer_bench.host_memory(host) == dict(host_bytes=80 << 20, hugepage_bytes=80 << 20)
-    monkeypatch.delenv("SGLANG_HUGEPAGE_SIZE")
-    assert transfer_bench.host_memory(kv.host_pool("page_first")) == {}
-    check = dict(pool="MHA", host_layout="page_first", batch=4096, byte_exact=True, host_bytes=80 << 20)
-    rows = [dict(check, mode="native", hugepage_bytes=80 << 20),
-            dict(check, mode="kvcached-contiguous", hugepage_bytes=0)]
-    assert "host pools in huge pages: 1 of 2; in small pages: kvcached-contiguous MHA page_first" in \
-        transfer_bench.table(rows).splitlines()
-
-
-@pytest.mark.parametrize("drafts", [0, 1], ids=["target", "packed-draft"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_host_pool_bytes_is_what_sglangs_host_pool_allocates(host_modules, monkeypatch, kind, drafts):
-    # a small model and batch in place of Qwen2.5-7B / DeepSeek-V2-Lite at 64k tokens: the
-    # bytes the benchmark reserves huge pages for must be those SGLang's host pool takes,
-    # a packed MTP draft's layer included
-    from tests.support.kvcached_views import mha_pool, mla_pool
-    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
-    monkeypatch.setattr(transfer_bench, "MTP_TOKENS", [128])
-    row_bytes = 2 * 64 * 2 * 2 if kind == "mha" else (96 + 32) * 2
-    monkeypatch.setattr(transfer_bench, "kv_model", lambda k: (SimpleNamespace(layers=3), row_bytes))
-    size = transfer_bench.pool_pages(128)[1]
-
-    def pool(layers):
-        if kind == "mha":
-            return mha_pool("native", size=size, page_size=64, layers=layers, heads=2, head_dim=64)
-        return mla_pool("native", size=size, page_size=64, layers=layers, kv_lora_rank=96, qk_rope_head_dim=32)
-    cls = host_modules.mha.MHATokenToKVPoolHost if kind == "mha" else host_modules.mla.MLATokenToKVPoolHost
-    host = cls(pool(3), 1.0, 0, 64, "page_first", pin_memory=False, device="cpu",
-               mtp_draft_device_pools=[pool(1) for _ in range(drafts)])
-    part = f"mtp-{kind}" if drafts else kind
-    assert transfer_bench.host_pool_bytes(part) == host.kv_buffer.numel() * host.kv_buffer.element_size()
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -651,18 +502,9 @@ def test_a_native_tree_edited_outside_the_series_is_refused(tmp_path):
     shutil.copytree(Path(os.environ["PRISTINE_SGLANG"]) / "sglang", tmp_path / "pristine" / "sglang", symlinks=True)
     with open(tmp_path / "pristine" / "sglang" / "srt" / "mem_cache" / "pool_host" / "mha.py", "a") as handle:
         handle.write("\nEDITED = True\n")
-    with pytest.raises(SystemExit, match=r"native: needs .*: series pristine; local edits \(outside the series' "
-                                         r"hunks\): sglang/srt/mem_cache/pool_host/mha\.py"):
+    with pytest.raises(SystemExit, match=r"native: needs .*: series pristine; local edits .*"
+                                         r"sglang/srt/mem_cache/pool_host/mha\.py"):
         transfer_bench.meta_row("native", sglang_tree(tmp_path / "pristine"))
-
-
-def test_profile_table_names_each_variants_tree():
-    rows = [dict(mode="native", pool="meta", sglang="/p/sglang", series_applied="status: series pristine"),
-            dict(mode="native", pool="MLA", direction="load", host_layout="page_first", batch=64, unroll="default",
-                 events_us=1.0, issue_us=1.0, kernel_us=1.0, span_us=1.0, kernels=1, copies=0, blocks=[2])]
-    lines = profile_transfers.table(rows).splitlines()
-    assert lines[0] == "native: /p/sglang (status: series pristine)"
-    assert sum(line.startswith("| native | MLA | load |") for line in lines) == 1
 
 
 def saved_run(path, native_state, rows, patched_state="applied", **setup):
@@ -755,7 +597,7 @@ def test_table_pools_saved_runs_and_refuses_one_whose_native_ran_the_series(tmp_
     with pytest.raises(SystemExit, match=r"c\.json: its native variant's tree is not on record as pristine "
                                          r"\(SGLang 0\.5\.20 at /tmp/pristine/sglang: series applied\)"):
         transfer_bench.saved_rows([first, stale])
-    for key, value in (("host_hugepages", "2MB"), ("gpu", "H100"), ("torch", "2.9"), ("page_size", 32),
+    for key, value in (("gpu", "H100"), ("torch", "2.9"), ("page_size", 32),
                        ("host_pages", "random"), ("cell_by_cell", False)):
         other = saved_run(tmp_path / "d.json", "pristine", rounds("native", [100]), **{key: value})
         with pytest.raises(SystemExit, match=rf"a\.json and .*d\.json were measured differently \({key} "):
@@ -812,21 +654,12 @@ def test_whole_run_children_time_only_the_batches_asked_for(fake_serving, monkey
     assert {r["batch"] for r in rows if "direction" in r} == {128}
 
 
-def test_main_hands_the_batches_to_every_child_and_records_them(monkeypatch, tmp_path, no_hugepage_env):
+def test_main_hands_the_batches_to_every_child_and_records_them(monkeypatch, tmp_path):
     seen = run_main(monkeypatch, tmp_path, "--parts", "mha", "--modes", "native,patched-dense", "--tokens", "64,16384")
-    for _, args, _ in seen:
+    for _, args in seen:
         assert args[args.index("--tokens") + 1] == "64,16384"
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["tokens"] == [64, 16384]
-    assert all("--tokens" not in args for _, args, _ in run_main(monkeypatch, tmp_path, "--parts", "mha"))
-
-
-def test_host_pools_are_sized_for_the_largest_batch_asked_for(monkeypatch):
-    monkeypatch.setattr(transfer_bench, "TOKENS", [4096])
-    default = transfer_bench.host_pool_bytes("mha")
-    monkeypatch.setattr(transfer_bench, "TOKENS", [128])
-    assert transfer_bench.host_pool_bytes("mha", [64, 4096]) == default > transfer_bench.host_pool_bytes("mha")
-    assert transfer_bench.hugepages_needed(["mha"], ("page_first",), "2MB", 0, [64, 4096]) == \
-        -(-default // (2 << 20))
+    assert all("--tokens" not in args for _, args in run_main(monkeypatch, tmp_path, "--parts", "mha"))
 
 
 @pytest.mark.project_files  # README.md is not in the image

@@ -701,8 +701,11 @@ def saved_rows(paths: list[str]) -> list[dict]:
         if os.path.realpath(path) in seen:   # its rounds would count twice
             raise SystemExit(f"{path}: given twice")
         seen.add(os.path.realpath(path))
-        with open(path) as handle:
-            data = json.load(handle)
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:   # missing, unreadable, not JSON: one line, not a traceback
+            raise SystemExit(f"{path}: cannot read it ({exc})") from None
         if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
             raise SystemExit(f"{path}: not a transfer_bench.py --out file (no meta and rows)")
         setup = run_setup(data["meta"])

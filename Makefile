@@ -14,7 +14,7 @@ endif
 include sglang.pin
 
 .PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu test-checkpoint mutants bench profile e2e soak bench-server \
+        import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
         image wheel ci clean
 
 all: patched
@@ -115,11 +115,6 @@ bench:
 	$(PYTHON) bench/transfer_bench.py --native-sglang $(NATIVE_SGLANG) --out bench/results.json
 	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) bench/plot.py bench/results.json bench/results.png \
 	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
-
-# Where a transfer's time goes, host issue or GPU kernels, and the copy kernels at each
-# unroll (bench/profile_transfers.py); same machine as bench.
-profile:
-	$(PYTHON) bench/profile_transfers.py --native-sglang $(NATIVE_SGLANG) --out bench/profile.json
 
 # Model-level comparison: SGLang's server, native vs kvcached (ci/e2e/compare_servers.py;
 # results and the exact commands: docs/e2e-results.md). E2E_ARGS picks rows (--pool, --case,

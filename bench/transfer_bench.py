@@ -69,7 +69,7 @@ MODES = {
     # Not in the default run: SGLang's pool with its buffers swapped for views of one
     # torch allocation in kvcached's contiguous geometry (all layers, and K with V,
     # interleaved per token). Separates the cost of the strided access pattern from that
-    # of kvcached's memory mapping (bench/profile_transfers.py).
+    # of kvcached's memory mapping (bench/RESULTS.md).
     "torch-interleaved": {"ENABLE_KVCACHED": "false"},
 }
 PAGE = 64
@@ -360,49 +360,6 @@ def kv_model(kind: str):
     return DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE.kv_dim * 2
 
 
-def host_pool_bytes(part: str, tokens: list[int] | None = None) -> int:
-    """Bytes of one host pool of a KV part: SGLang sizes it as the device pool plus a page."""
-    kind, drafts, tokens, _ = kv_part_shape(part, tokens)
-    model, row_bytes = kv_model(kind)
-    return (pool_pages(max(tokens))[1] + PAGE) * row_bytes * (model.layers + drafts)
-
-
-HUGEPAGE_KB = {"2MB": 2048, "1GB": 1048576}   # SGLANG_HUGEPAGE_SIZE's values
-
-
-def hugepage_counts(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> dict:
-    """The kernel's counts of huge pages of SGLANG_HUGEPAGE_SIZE `size` (nr_hugepages,
-    free_hugepages, resv_hugepages; all 0 where the size has none)."""
-    folder = os.path.join(sysfs, f"hugepages-{HUGEPAGE_KB[size]}kB")
-    counts = {}
-    for name in ("nr_hugepages", "free_hugepages", "resv_hugepages"):
-        try:
-            with open(os.path.join(folder, name)) as handle:
-                counts[name] = int(handle.read())
-        except FileNotFoundError:
-            counts[name] = 0
-    return counts
-
-
-def free_hugepage_bytes(size: str, sysfs: str = "/sys/kernel/mm/hugepages") -> int:
-    """Bytes of huge pages of `size` free for a new mapping: free ones less those other
-    mappings have reserved and not yet touched."""
-    counts = hugepage_counts(size, sysfs)
-    return (counts["free_hugepages"] - counts["resv_hugepages"]) * HUGEPAGE_KB[size] * 1024
-
-
-def hugepages_needed(parts: list[str], host_layouts, size: str, serving_children: int = 0,
-                     tokens: list[int] | None = None) -> int:
-    """Huge pages of `size` the host pools take at most, in whole pages: a whole-run child
-    holds one host pool at a time (kv_part frees each before the next); a serving child
-    keeps every part's pool in every host layout, and all of them are up at once."""
-    page = HUGEPAGE_KB[size] * 1024
-    pools = [-(-host_pool_bytes(p, tokens) // page) for p in parts if p in KV_PARTS]
-    if not serving_children:
-        return max(pools, default=0)
-    return sum(pools) * len(host_layouts) * serving_children
-
-
 class KVBench:
     """A device KV pool of one model shape, filled with random rows, and what times it.
 
@@ -487,16 +444,9 @@ class KVBench:
         torch.cuda.empty_cache()
 
     def host_pool(self, layout: str):
-        """SGLang's host pool over this pool. Under SGLANG_HUGEPAGE_SIZE it also says how
-        many bytes of huge pages it took (hugepage_bytes): SGLang falls back to small pages
-        when too few are free."""
-        size = os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip().upper()
-        before = free_hugepage_bytes(size) if size in HUGEPAGE_KB else None
-        host = self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
+        """SGLang's host pool over this pool."""
+        return self.host_cls(self.pool, 1.0, 0, PAGE, layout, pin_memory=True, device="cpu",
                              mtp_draft_device_pools=self.drafts)
-        if before is not None:
-            host.hugepage_bytes = before - free_hugepage_bytes(size)
-        return host
 
     def index_sets(self, host, n_tokens: int, host_runs: bool = False):
         """Rotating (device, host-for-backup, host-for-load) index sets of n_tokens each;
@@ -554,17 +504,8 @@ def kv_layout_cells(kv, host, layout, tokens, drafts, mode, label, host_pages):
                   (dict(fields, direction="load"), nbytes, load, True)]
         if n == check_at:  # the timed path must also be the right one
             def check(fields=fields, batch_check=batch_check):
-                return dict(fields, byte_exact=batch_check(), **host_memory(host))
+                return dict(fields, byte_exact=batch_check())
     return cells, check
-
-
-def host_memory(host) -> dict:
-    """A host pool's bytes and how many of them are in huge pages, where it was asked to use
-    them (KVBench.host_pool)."""
-    if getattr(host, "hugepage_bytes", None) is None:
-        return {}
-    return dict(host_bytes=host.kv_buffer.numel() * host.kv_buffer.element_size(),
-                hugepage_bytes=host.hugepage_bytes)
 
 
 def kv_part(part, mode, reps, gen, host_pages="random", host_layouts=HOST_LAYOUTS, profiles=3, tokens=None):
@@ -710,14 +651,13 @@ class ServingChild:
 
 
 def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: None,
-                      on_ready=lambda: None, first_round: int = 0) -> list[dict]:
+                      first_round: int = 0) -> list[dict]:
     """--cell-by-cell: a serving child per variant (start(mode)), started one after another
     so that each builds its pools and compiles its kernels alone; then, cell by cell, the
     cell's rounds, each round every variant that has the cell, in round_order. A cell's
     variants are timed seconds apart, so a slower stretch of the machine meets them alike,
     where whole-run children leave minutes between them; at the end every child checks its
-    pools' bytes again. on_ready() once every child is set up, save(rows) after every cell;
-    rounds are numbered from first_round."""
+    pools' bytes again. save(rows) after every cell; rounds are numbered from first_round."""
     children, offered, cells, rows = {}, {}, [], []
     try:
         for mode in modes:
@@ -726,7 +666,6 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
             rows += hello["rows"]
             offered[mode] = [tuple(c) for c in hello["cells"]]
             cells += [c for c in offered[mode] if c not in cells]
-        on_ready()
         for cell in cells:
             having = [m for m in modes if cell in offered[m]]
             rows += [dict(children[mode].ask(cell), round=first_round + round_)
@@ -743,7 +682,7 @@ def cell_by_cell_rows(modes: list[str], rounds: int, start, save=lambda rows: No
 # What must be the same in runs that --table pools: what was measured, on what and how
 # it was scheduled. Repetitions and profiled runs per cell say how precisely each round
 # was timed, not what: runs that differ in them pool.
-POOLED_ALIKE = ("gpu", "torch", "page_size", "host_pages", "host_hugepages", "cell_by_cell")
+POOLED_ALIKE = ("gpu", "torch", "page_size", "host_pages", "cell_by_cell")
 
 
 def run_setup(meta: dict) -> dict:
@@ -762,8 +701,11 @@ def saved_rows(paths: list[str]) -> list[dict]:
         if os.path.realpath(path) in seen:   # its rounds would count twice
             raise SystemExit(f"{path}: given twice")
         seen.add(os.path.realpath(path))
-        with open(path) as handle:
-            data = json.load(handle)
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:   # missing, unreadable, not JSON: one line, not a traceback
+            raise SystemExit(f"{path}: cannot read it ({exc})") from None
         if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
             raise SystemExit(f"{path}: not a transfer_bench.py --out file (no meta and rows)")
         setup = run_setup(data["meta"])
@@ -941,11 +883,6 @@ def table(rows: list[dict]) -> str:
     bad = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in checks if not r["byte_exact"]]
     lines.append(f"byte-exact load-back checks: {len(checks) - len(bad)} of {len(checks)} pass"
                  + (f"; FAILED: {', '.join(bad)}" if bad else ""))
-    asked = [r for r in checks if "hugepage_bytes" in r]   # --host-hugepages runs
-    if asked:
-        short = [f"{r['mode']} {r['pool']} {r['host_layout']}" for r in asked if r["hugepage_bytes"] < r["host_bytes"]]
-        lines.append(f"host pools in huge pages: {len(asked) - len(short)} of {len(asked)}"
-                     + (f"; in small pages: {', '.join(short)}" if short else ""))
     lines += [f"tree: {t}" for t in trees]
     rounds = sorted({r["rounds"] for r in rows if "rounds" in r})
     if rounds:   # fewer for a cell that a cut-short run left out of its last rounds
@@ -982,9 +919,6 @@ def main():
     ap.add_argument("--process-sets", type=int, default=1,
                     help="with --cell-by-cell: run its rounds in this many sets of fresh children, one after "
                          "another, so that a slow process is one of several per variant")
-    ap.add_argument("--host-hugepages", choices=sorted(HUGEPAGE_KB),
-                    help="host pools in huge pages of this size (SGLang's SGLANG_HUGEPAGE_SIZE); they must "
-                         "be reserved first")
     ap.add_argument("--table", nargs="+", metavar="RESULTS",
                     help="print the table of saved --out files instead of measuring; several runs are pooled, each "
                          "cell's median taken over all their rounds")
@@ -1005,12 +939,9 @@ def main():
         ap.error("--rounds, --profiles, --process-sets: at least 1")
     if args.process_sets > 1 and not args.cell_by_cell:
         ap.error("--process-sets: with --cell-by-cell (whole-run children are fresh every round already)")
-    if (args.cell_by_cell or args.host_hugepages) and "mamba" in parts:
-        ap.error("--cell-by-cell, --host-hugepages: KV parts and link only (the Mamba part runs in whole-run "
-                 "children, over host pools of its own)")
-    if os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip() and not args.host_hugepages and not args.child:
-        ap.error(f"SGLANG_HUGEPAGE_SIZE={os.environ['SGLANG_HUGEPAGE_SIZE']} is set: pass --host-hugepages instead, "
-                 "so that the run checks the pages and records them")
+    if args.cell_by_cell and "mamba" in parts:
+        ap.error("--cell-by-cell: KV parts and link only (the Mamba part runs in whole-run children, over host "
+                 "pools of its own)")
     if args.child and args.serve:
         serve(args.child, args.reps, parts, args.host_pages, host_layouts, sys.stdin, reply_channel(), args.profiles,
               args.tokens)
@@ -1020,24 +951,10 @@ def main():
                   sys.stdout)
         return
     modes = args.modes.split(",")
-
-    def free_hugepages():
-        return free_hugepage_bytes(args.host_hugepages) // (HUGEPAGE_KB[args.host_hugepages] << 10)
-    if args.host_hugepages:
-        need = hugepages_needed(parts, host_layouts, args.host_hugepages, len(modes) if args.cell_by_cell else 0,
-                                args.tokens)
-        if free_hugepages() < need:
-            total = hugepage_counts(args.host_hugepages)["nr_hugepages"] + need - free_hugepages()
-            ap.error(f"--host-hugepages {args.host_hugepages}: the host pools need {need} free huge pages, "
-                     f"{free_hugepages()} are; reserve them first, as root: echo {total} > /sys/kernel/mm/hugepages/"
-                     f"hugepages-{HUGEPAGE_KB[args.host_hugepages]}kB/nr_hugepages")
-        os.environ["SGLANG_HUGEPAGE_SIZE"] = args.host_hugepages   # what the children's host pools use
     import torch
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
-                cell_by_cell=args.cell_by_cell, process_sets=args.process_sets, host_hugepages=args.host_hugepages,
-                tokens=args.tokens,
-                **({"free_hugepages_before": free_hugepages()} if args.host_hugepages else {}))
+                cell_by_cell=args.cell_by_cell, process_sets=args.process_sets, tokens=args.tokens)
     child_args = ["--reps", str(args.reps), "--profiles", str(args.profiles), "--parts", args.parts,
                   "--host-pages", args.host_pages, "--host-layouts", args.host_layouts,
                   *(["--tokens", ",".join(map(str, args.tokens))] if args.tokens else [])]
@@ -1046,14 +963,11 @@ def main():
         with open(args.out, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     if args.cell_by_cell:
-        def on_ready():   # the host pools of every child are up: the huge pages they hold
-            if args.host_hugepages:
-                meta["free_hugepages_with_children_up"] = free_hugepages()
         rows = []
         for first_round in range(0, args.process_sets * args.rounds, args.rounds):
             rows += cell_by_cell_rows(modes, args.rounds,
                                       lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args),
-                                      lambda set_rows: save(rows + set_rows), on_ready, first_round)
+                                      lambda set_rows: save(rows + set_rows), first_round)
     else:
         rows = []
         for round_, mode in round_order(modes, args.rounds):

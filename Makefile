@@ -13,7 +13,7 @@ $(error sglang.pin is missing: it pins the SGLang release the series is for (git
 endif
 include sglang.pin
 
-.PHONY: all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
+.PHONY: report all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
         import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
         image wheel ci clean
 
@@ -157,6 +157,10 @@ soak:
 # ci/e2e/bench_server.py --render OUT/report.json.
 BENCH_SERVER_OUT ?= build/bench-server
 BENCH_SERVER_ARGS ?=
+# docs/results.md rendered from the committed runs (ci/report.py); `make test` checks it is current.
+report: venv
+	$(VPY) ci/report.py
+
 bench-server:
 	ci/e2e/trees.sh $(PYTHON) $(E2E_TREES)
 	$(PYTHON) ci/e2e/bench_server.py --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \

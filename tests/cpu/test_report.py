@@ -1,0 +1,43 @@
+"""ci/report.py: docs/results.md is what the committed runs render (`make report`)."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.project_files  # docs/ and the runs are not in the image
+
+
+def report(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(cwd / "ci" / "report.py"), *args], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_the_committed_results_are_what_the_runs_render():
+    proc = report("--check")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_newer_run_is_rendered_and_an_edit_is_caught(tmp_path):
+    """A run folder of a newer date becomes the shown one; the older are listed by name;
+    a hand edit of the rendered file fails --check in one line."""
+    copy = tmp_path / "p"
+    for part in ("ci", "docs", "bench", "tests", "scripts", "patches", "sglang.pin"):
+        src = ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, copy / part)
+    newer = copy / "docs" / "runs" / "e2e" / "2999-01-01-planted"
+    newer.mkdir()
+    old = sorted((ROOT / "docs" / "runs" / "e2e").glob("*/report.json.gz"))[-1]
+    shutil.copy2(old, newer / "report.json.gz")
+    (newer / "README.md").write_text("# a planted run\n")
+    out = copy / "docs" / "results.md"
+    assert report("--out", str(out), cwd=copy).returncode == 0
+    text = out.read_text()
+    assert "### `docs/runs/e2e/2999-01-01-planted`" in text and "a planted run" in text
+    assert f"- `docs/runs/e2e/{old.parent.name}`" in text  # listed, no longer rendered
+    assert "matches native" in text
+    out.write_text(text.replace("matches native", "matched", 1))
+    proc = report("--out", str(out), "--check", cwd=copy)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "make report" in proc.stderr

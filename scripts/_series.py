@@ -77,17 +77,13 @@ except SeriesError as _exc:  # every script imports this module first: one line,
 EXPECTED_VERSION, UPSTREAM_COMMIT = PIN["SGLANG_VERSION"], PIN["SGLANG_COMMIT"]
 
 
-def run_script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
-    """Another of these scripts, run with this Python, its output captured."""
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
-                          capture_output=True, text=True, **kwargs)
-
-
-def script_output(name: str, *args) -> str:
-    proc = run_script(name, *args)
-    if proc.returncode != 0:
+def run_script(name: str, *args, check: bool = False):
+    """Another of these scripts, run with this Python, its output captured; with ``check``, the
+    last line it prints (a path), or a SeriesError when it fails."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True, text=True)
+    if check and proc.returncode != 0:
         raise SeriesError(f"scripts/{name} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip().splitlines()[-1] if check else proc
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:
@@ -95,14 +91,6 @@ def read_series(patches: Path = PATCH_DIR) -> list[Path]:
         raise SeriesError(f"{patches / 'series'} is missing")
     return [patches / line.strip() for line in (patches / "series").read_text().splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
-
-
-def series_state(patches: Path = PATCH_DIR) -> dict:
-    """The series' identity: the sha256 of patches/series and of each patch it lists, and
-    their digest, the sha256 of what `sha256sum series PATCH...` prints in patches/."""
-    files = ["series"] + [p.name for p in read_series(patches)]
-    sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
-    return {"digest": hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest(), "files": sums}
 
 
 def patch_name(number: int, subject: str) -> str:
@@ -172,7 +160,9 @@ class Series:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
             for begin, end in zip(starts, starts[1:] + [len(data)]):
                 self._add(path.name, data[begin:end])
-        self.files, self.digest = list(self.by_file), series_state(patches)["digest"]
+        # The digest (the record's, the wheel's version): the sha256 of `sha256sum series PATCH...` in patches/.
+        listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
+        self.files, self.digest = list(self.by_file), sha(listing.encode())
 
     def _add(self, patch: str, text: bytes) -> None:
         head = text.split(b"\n@@", 1)[0].decode(errors="replace")

@@ -64,9 +64,8 @@ def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
             if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
                 raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
             pin[match[1]] = match[2]
-    for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
-        if key not in pin:
-            raise SeriesError(f"{path} does not set {key}")
+    if missing := [key for key in ("SGLANG_VERSION", "SGLANG_COMMIT") if key not in pin]:
+        raise SeriesError(f"{path} does not set {missing[0]}")
     return pin
 
 
@@ -276,10 +275,10 @@ class Survey:
     """What a tree holds of the series, read as the module doc says."""
 
     def __init__(self, target: Target, series: Series):
-        pkg, self.target, self.series, self.files = target.package_dir, target, series, {}
+        pkg, self.target, self.files = target.package_dir, target, {}
         self.record = read_record(pkg)
         self.outdated = bool(self.record) and self.record["digest"] != series.digest
-        recorded, exact = self.record["files"] if self.record else {}, {}
+        recorded = self.record["files"] if self.record else {}
         for rel in dict.fromkeys(series.files + list(recorded)):
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
@@ -290,26 +289,22 @@ class Survey:
             if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
                 f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
+                f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
-            if f.held is not None:
-                exact[rel] = f.held
+            if f.held is not None:  # the blob after K sections: undone, it must be the blob SGLang's file has
+                undone = git_apply({rel: f.data}, sections[:f.held], reverse=True)
+                if undone and blob(undone[rel]).startswith(blobs[0]):
+                    f.base = undone[rel]
+                else:
+                    f.problem, f.held = "conflicting", None
             elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
                 f.base, f.held, f.edited = undone[rel], len(sections), True
             elif sections and git_apply({rel: f.data}, sections) is not None:
                 f.base, f.held, f.edited = f.data, 0, True
             else:
                 f.problem = "conflicting"
-        undone = git_apply({rel: self.files[rel].data for rel in exact},
-                           [s for s in series.sections if s.index < exact.get(s.rel, 0)], reverse=True) or {}
-        for rel in exact:
-            self.files[rel].base = undone.get(rel)
-            if rel not in undone or not blob(undone[rel]).startswith(series.by_file[rel][0].old):
-                self.files[rel].problem, self.files[rel].held = "conflicting", None  # not the blob the patch names
-        for rel, f in self.files.items():
-            f.edited = f.edited or (f.base is not None and rel in series.by_file
-                                    and not blob(f.base).startswith(series.by_file[rel][0].old))
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
         for name in series.patches:
             mine = [s for s in series.sections if s.patch == name]
@@ -330,11 +325,9 @@ class Survey:
         return [rel for rel, f in self.files.items() if f.edited]
 
     def foreign(self) -> list[Path]:
-        """What patch tools (and older versions of these scripts) left beside the series' files."""
-        pkg = self.target.package_dir
-        near = [(pkg / rel).with_name(dot + Path(rel).name + end) for rel in self.files for dot, end in
-                [("", end) for end in LEFTOVERS + (KEPT,)] + [(".", ".sglang-series-old"), (".", ".sglang-series-new")]]
-        return [p for p in near + [pkg / ".sglang-series-journal"] if p.exists()]
+        """What patch tools (.orig, .rej) and a rolled-back change (KEPT) left beside the series' files."""
+        near = [self.target.package_dir / (rel + end) for rel in self.files for end in LEFTOVERS + (KEPT,)]
+        return [p for p in near if p.exists()]
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""

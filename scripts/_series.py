@@ -41,7 +41,7 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def cli(main, *args, interrupted: str = "interrupted (Ctrl-C) before anything was written; nothing changed") -> None:
+def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
     """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
     try:
         sys.exit(main(*args))
@@ -459,9 +459,8 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
         os.rename(swap, done)
         _fsync(pkg)
     except BaseException as exc:
-        why = ("interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"signal {exc.code - 128}"
-               if isinstance(exc, SystemExit) else str(exc))
-        code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code if isinstance(exc, SystemExit) else 1
+        code = exc.code if isinstance(exc, SeriesError) else 1  # a SeriesError here is a signal (_stop)
+        why = signal.Signals(code - 128).name if code > 128 else str(exc)
         try:
             note = recover(pkg) or ""
         except OSError as again:
@@ -566,8 +565,9 @@ def status(path: str) -> int:
     return 0 if found.state == "applied" else 3
 
 
-def _stop(signum, frame):
-    raise SystemExit(128 + signum)
+def _stop(signum, frame):  # a verb's SIGINT, SIGTERM, SIGHUP: one line, exit 128+N (transact says what it undid)
+    raise SeriesError(f"interrupted ({signal.Signals(signum).name}) before anything was written; nothing changed",
+                      128 + signum)
 
 
 def main(verb: str, doc: str) -> None:
@@ -578,7 +578,7 @@ def main(verb: str, doc: str) -> None:
     if verb != "status":
         parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
     args = parser.parse_args()
-    for signum in SIGNALS[1:]:
+    for signum in SIGNALS:
         signal.signal(signum, _stop)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
     cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))

@@ -393,8 +393,7 @@ def _write(path: Path, data: bytes, like: os.stat_result | None = None) -> None:
 def drop_bytecode(path: Path) -> None:
     """Remove a .py file's bytecode (any interpreter, any level): no .pyc stands for its old bytes."""
     for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc") if path.suffix == ".py" else []:
-        if pyc.name.split(".")[0] == path.stem:
-            pyc.unlink(missing_ok=True)
+        pyc.unlink(missing_ok=True)
 
 
 def recover(pkg: Path) -> str | None:
@@ -434,8 +433,8 @@ def recover(pkg: Path) -> str | None:
             signal.signal(signum, handler)
 
 
-def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict, dict[str, bytes]] | None) -> None:
-    """Write ``changes`` ({path: new bytes}) and the record (None: removed), all or none."""
+def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, bytes] | None) -> None:
+    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none."""
     tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
     try:
         meta = {"verb": verb, "files": {}}
@@ -444,10 +443,8 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
             _write(tmp / "old" / rel, old, like)
             _write(tmp / "new" / rel, new, like)
             meta["files"][rel] = {"old": sha(old), "new": sha(new)}
-        for rel, data in (record[1] if record else {}).items():
-            _write(tmp / "record" / "pristine" / rel, data)
-        if record:
-            _write(tmp / "record" / "record.json", json.dumps(record[0], indent=1).encode())
+        for rel, data in (record or {}).items():
+            _write(tmp / "record" / rel, data)
         _write(tmp / "meta.json", json.dumps(meta).encode())
         os.rename(tmp, swap)
         _fsync(pkg)
@@ -521,9 +518,11 @@ def apply(path: str, force: bool) -> int:
                               f"{series_note()}")
         record = {"digest": series.digest, "patches": series.patches,
                   "files": {rel: {"pristine": sha(bases[rel]), "written": sha(new[rel])} for rel in series.files}}
+        record = {"record.json": json.dumps(record, indent=1).encode(),
+                  **{f"pristine/{rel}": bases[rel] for rel in series.files}}
         new = {**bases, **new}  # a file only an older series changed goes back to its recorded bytes
         transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
-                 (record, {rel: bases[rel] for rel in series.files}))
+                 record)
     print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
     print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
                   if state != "not applied" and not found.outdated), end="")
@@ -561,7 +560,8 @@ def status(path: str) -> int:
     for rel in found.having("symbolic link"):
         print(f"{found.files[rel].problem} (apply and reverse refuse it: they write by rename)")
     for leftover in found.foreign():
-        print(f"foreign: {leftover.relative_to(target.root)} (left by a patch tool; not part of SGLang)")
+        why = "a file's bytes before a rolled-back change" if leftover.name.endswith(KEPT) else "left by a patch tool"
+        print(f"foreign: {leftover.relative_to(target.root)} ({why}; not part of SGLang)")
     return 0 if found.state == "applied" else 3
 
 

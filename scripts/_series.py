@@ -41,7 +41,7 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def cli(main, *args, interrupted: str = "interrupted (Ctrl-C) before anything was written; nothing changed") -> None:
+def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
     """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
     try:
         sys.exit(main(*args))
@@ -64,9 +64,8 @@ def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
             if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
                 raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
             pin[match[1]] = match[2]
-    for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
-        if key not in pin:
-            raise SeriesError(f"{path} does not set {key}")
+    if missing := [key for key in ("SGLANG_VERSION", "SGLANG_COMMIT") if key not in pin]:
+        raise SeriesError(f"{path} does not set {missing[0]}")
     return pin
 
 
@@ -77,17 +76,13 @@ except SeriesError as _exc:  # every script imports this module first: one line,
 EXPECTED_VERSION, UPSTREAM_COMMIT = PIN["SGLANG_VERSION"], PIN["SGLANG_COMMIT"]
 
 
-def run_script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
-    """Another of these scripts, run with this Python, its output captured."""
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
-                          capture_output=True, text=True, **kwargs)
-
-
-def script_output(name: str, *args) -> str:
-    proc = run_script(name, *args)
-    if proc.returncode != 0:
+def run_script(name: str, *args, check: bool = False):
+    """Another of these scripts, run with this Python, its output captured; with ``check``, the
+    last line it prints (a path), or a SeriesError when it fails."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True, text=True)
+    if check and proc.returncode != 0:
         raise SeriesError(f"scripts/{name} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip().splitlines()[-1] if check else proc
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:
@@ -95,14 +90,6 @@ def read_series(patches: Path = PATCH_DIR) -> list[Path]:
         raise SeriesError(f"{patches / 'series'} is missing")
     return [patches / line.strip() for line in (patches / "series").read_text().splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
-
-
-def series_state(patches: Path = PATCH_DIR) -> dict:
-    """The series' identity: the sha256 of patches/series and of each patch it lists, and
-    their digest, the sha256 of what `sha256sum series PATCH...` prints in patches/."""
-    files = ["series"] + [p.name for p in read_series(patches)]
-    sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
-    return {"digest": hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest(), "files": sums}
 
 
 def patch_name(number: int, subject: str) -> str:
@@ -172,7 +159,9 @@ class Series:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
             for begin, end in zip(starts, starts[1:] + [len(data)]):
                 self._add(path.name, data[begin:end])
-        self.files, self.digest = list(self.by_file), series_state(patches)["digest"]
+        # The digest (the record's, the wheel's version): the sha256 of `sha256sum series PATCH...` in patches/.
+        listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
+        self.files, self.digest = list(self.by_file), sha(listing.encode())
 
     def _add(self, patch: str, text: bytes) -> None:
         head = text.split(b"\n@@", 1)[0].decode(errors="replace")
@@ -286,10 +275,10 @@ class Survey:
     """What a tree holds of the series, read as the module doc says."""
 
     def __init__(self, target: Target, series: Series):
-        pkg, self.target, self.series, self.files = target.package_dir, target, series, {}
+        pkg, self.target, self.files = target.package_dir, target, {}
         self.record = read_record(pkg)
         self.outdated = bool(self.record) and self.record["digest"] != series.digest
-        recorded, exact = self.record["files"] if self.record else {}, {}
+        recorded = self.record["files"] if self.record else {}
         for rel in dict.fromkeys(series.files + list(recorded)):
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
@@ -300,26 +289,22 @@ class Survey:
             if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
                 f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
+                f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
-            if f.held is not None:
-                exact[rel] = f.held
+            if f.held is not None:  # the blob after K sections: undone, it must be the blob SGLang's file has
+                undone = git_apply({rel: f.data}, sections[:f.held], reverse=True)
+                if undone and blob(undone[rel]).startswith(blobs[0]):
+                    f.base = undone[rel]
+                else:
+                    f.problem, f.held = "conflicting", None
             elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
                 f.base, f.held, f.edited = undone[rel], len(sections), True
             elif sections and git_apply({rel: f.data}, sections) is not None:
                 f.base, f.held, f.edited = f.data, 0, True
             else:
                 f.problem = "conflicting"
-        undone = git_apply({rel: self.files[rel].data for rel in exact},
-                           [s for s in series.sections if s.index < exact.get(s.rel, 0)], reverse=True) or {}
-        for rel in exact:
-            self.files[rel].base = undone.get(rel)
-            if rel not in undone or not blob(undone[rel]).startswith(series.by_file[rel][0].old):
-                self.files[rel].problem, self.files[rel].held = "conflicting", None  # not the blob the patch names
-        for rel, f in self.files.items():
-            f.edited = f.edited or (f.base is not None and rel in series.by_file
-                                    and not blob(f.base).startswith(series.by_file[rel][0].old))
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
         for name in series.patches:
             mine = [s for s in series.sections if s.patch == name]
@@ -340,11 +325,9 @@ class Survey:
         return [rel for rel, f in self.files.items() if f.edited]
 
     def foreign(self) -> list[Path]:
-        """What patch tools (and older versions of these scripts) left beside the series' files."""
-        pkg = self.target.package_dir
-        near = [(pkg / rel).with_name(dot + Path(rel).name + end) for rel in self.files for dot, end in
-                [("", end) for end in LEFTOVERS + (KEPT,)] + [(".", ".sglang-series-old"), (".", ".sglang-series-new")]]
-        return [p for p in near + [pkg / ".sglang-series-journal"] if p.exists()]
+        """What patch tools (.orig, .rej) and a rolled-back change (KEPT) left beside the series' files."""
+        near = [self.target.package_dir / (rel + end) for rel in self.files for end in LEFTOVERS + (KEPT,)]
+        return [p for p in near if p.exists()]
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
@@ -410,8 +393,7 @@ def _write(path: Path, data: bytes, like: os.stat_result | None = None) -> None:
 def drop_bytecode(path: Path) -> None:
     """Remove a .py file's bytecode (any interpreter, any level): no .pyc stands for its old bytes."""
     for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc") if path.suffix == ".py" else []:
-        if pyc.name.split(".")[0] == path.stem:
-            pyc.unlink(missing_ok=True)
+        pyc.unlink(missing_ok=True)
 
 
 def recover(pkg: Path) -> str | None:
@@ -451,8 +433,8 @@ def recover(pkg: Path) -> str | None:
             signal.signal(signum, handler)
 
 
-def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict, dict[str, bytes]] | None) -> None:
-    """Write ``changes`` ({path: new bytes}) and the record (None: removed), all or none."""
+def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, bytes] | None) -> None:
+    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none."""
     tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
     try:
         meta = {"verb": verb, "files": {}}
@@ -461,10 +443,8 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
             _write(tmp / "old" / rel, old, like)
             _write(tmp / "new" / rel, new, like)
             meta["files"][rel] = {"old": sha(old), "new": sha(new)}
-        for rel, data in (record[1] if record else {}).items():
-            _write(tmp / "record" / "pristine" / rel, data)
-        if record:
-            _write(tmp / "record" / "record.json", json.dumps(record[0], indent=1).encode())
+        for rel, data in (record or {}).items():
+            _write(tmp / "record" / rel, data)
         _write(tmp / "meta.json", json.dumps(meta).encode())
         os.rename(tmp, swap)
         _fsync(pkg)
@@ -476,9 +456,8 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: tuple[dict
         os.rename(swap, done)
         _fsync(pkg)
     except BaseException as exc:
-        why = ("interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"signal {exc.code - 128}"
-               if isinstance(exc, SystemExit) else str(exc))
-        code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code if isinstance(exc, SystemExit) else 1
+        code = exc.code if isinstance(exc, SeriesError) else 1  # a SeriesError here is a signal (_stop)
+        why = signal.Signals(code - 128).name if code > 128 else str(exc)
         try:
             note = recover(pkg) or ""
         except OSError as again:
@@ -539,9 +518,11 @@ def apply(path: str, force: bool) -> int:
                               f"{series_note()}")
         record = {"digest": series.digest, "patches": series.patches,
                   "files": {rel: {"pristine": sha(bases[rel]), "written": sha(new[rel])} for rel in series.files}}
+        record = {"record.json": json.dumps(record, indent=1).encode(),
+                  **{f"pristine/{rel}": bases[rel] for rel in series.files}}
         new = {**bases, **new}  # a file only an older series changed goes back to its recorded bytes
         transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
-                 (record, {rel: bases[rel] for rel in series.files}))
+                 record)
     print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
     print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
                   if state != "not applied" and not found.outdated), end="")
@@ -579,12 +560,14 @@ def status(path: str) -> int:
     for rel in found.having("symbolic link"):
         print(f"{found.files[rel].problem} (apply and reverse refuse it: they write by rename)")
     for leftover in found.foreign():
-        print(f"foreign: {leftover.relative_to(target.root)} (left by a patch tool; not part of SGLang)")
+        why = "a file's bytes before a rolled-back change" if leftover.name.endswith(KEPT) else "left by a patch tool"
+        print(f"foreign: {leftover.relative_to(target.root)} ({why}; not part of SGLang)")
     return 0 if found.state == "applied" else 3
 
 
-def _stop(signum, frame):
-    raise SystemExit(128 + signum)
+def _stop(signum, frame):  # a verb's SIGINT, SIGTERM, SIGHUP: one line, exit 128+N (transact says what it undid)
+    raise SeriesError(f"interrupted ({signal.Signals(signum).name}) before anything was written; nothing changed",
+                      128 + signum)
 
 
 def main(verb: str, doc: str) -> None:
@@ -595,7 +578,7 @@ def main(verb: str, doc: str) -> None:
     if verb != "status":
         parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
     args = parser.parse_args()
-    for signum in SIGNALS[1:]:
+    for signum in SIGNALS:
         signal.signal(signum, _stop)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
     cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))

@@ -1,6 +1,5 @@
 """Links in the docs cannot rot: every repository path that README.md, docs/*.md,
-bench/RESULTS.md and the run folders' READMEs name exists, and every run folder's README
-names exactly the files the folder holds.
+bench/RESULTS.md and the run folders' READMEs name exists.
 
 A path is a markdown link's target (relative to the file that holds it) or a word of an
 inline code span that starts with one of the repository's top-level folders or files
@@ -101,31 +100,12 @@ def test_every_path_a_document_names_exists(document):
 
 def test_paths_given_at_a_commit_were_in_that_commit():
     historic = {ref for doc in documents() for ref in references(doc.read_text(), top_level_names())[2]}
-    assert ("bench/link_paths.py", "8087315") in historic   # the removed studies are named so
     for path, commit in sorted(historic):
         known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
                                capture_output=True).returncode == 0
         if known:   # a shallow checkout may not have it
             held = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:{path}"], capture_output=True)
             assert held.returncode == 0, f"{path} is not in commit {commit}"
-
-
-def run_folders() -> list[Path]:
-    return sorted({p.parent for folder in RESULT_FOLDERS for p in (ROOT / folder).rglob("*")
-                   if p.is_file() and p.name != "README.md"})
-
-
-def files_named(readme: str) -> set[str]:
-    """The files a run README's tables name in their first column."""
-    return set(re.findall(r"^\| `([^`/]+)` \|", readme, re.M))
-
-
-@pytest.mark.parametrize("folder", run_folders(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_run_folder_says_what_each_of_its_files_holds(folder):
-    readme = folder / "README.md"
-    assert readme.exists(), f"{folder.relative_to(ROOT)}: no README.md"
-    held = {p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md"}
-    assert files_named(readme.read_text()) == held
 
 
 def test_missing_paths_and_links_are_found(tmp_path):

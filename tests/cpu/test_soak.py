@@ -387,8 +387,8 @@ def test_a_detached_run_passes_with_every_fault_and_says_so(fake_env):
     cut.write_text("\n".join(lines[: len(lines) * 2 // 3]) + "\n" + lines[-1][:10])
     partial = verdict.summarize(verdict.read_journal(cut))
     assert partial["result"] in ("incomplete", "fail") and not partial["finished"]
-    table = verdict.table({"run.json": report})
-    assert table.count("\n") == 2 and "| run.json | pass | " in table
+    (row,) = [line for line in verdict.table({"run.json": report}).splitlines() if "run.json" in line]
+    assert "pass" in row                                               # one row a run, with its result
     assert not list(Path(args[args.index("--shm-dir") + 1]).iterdir())   # no segment left behind
 
 

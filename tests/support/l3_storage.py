@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
-import socket
-import subprocess
-import time
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,35 +28,12 @@ import torch
 from tests.support.controller import ControllerRoundTrip
 from tests.support.roundtrip import as_bytes, pages_to_rows
 
-# Every wait on a storage thread or on the master is bounded; a hang fails the test.
+# The master is the harness's (the server comparison starts the same one): one launcher.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
+from mooncake_store import MooncakeMaster  # noqa: E402,F401
+
+# Every wait on a storage thread is bounded; a hang fails the test.
 THREAD_WAIT_S = 30
-MASTER_START_S = 30
-MASTER_STOP_S = 10
-# A port found free can be taken by another process before the master binds it: the
-# master then exits, and is started again on new ports.
-MASTER_START_TRIES = 3
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct loopback ports, free now. All n sockets are held until each has its
-    port: the kernel may hand a just-closed port out again, and a master given the same
-    port twice fails to start."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 IBVERBS = "libibverbs.so.1"
@@ -89,92 +63,6 @@ def require_mooncake() -> None:
         pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires the Mooncake tests to run")
     if reason:
         pytest.skip(reason)
-
-
-class MooncakeMaster:
-    """mooncake_master with its HTTP metadata server, on loopback ports chosen here.
-
-    The binary is the one mooncake-transfer-engine ships inside its package (the
-    `mooncake_master` console script only execs it). It runs in its own session and is
-    stopped by its pid: SIGTERM, then SIGKILL if it has not exited in MASTER_STOP_S.
-    """
-
-    def __init__(self, log_path: Path):
-        import mooncake
-
-        self.binary = Path(mooncake.__file__).parent / "mooncake_master"
-        self.log_path = log_path
-        self.proc = None
-
-    @property
-    def master_address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
-    def extra_config(self, tag: str) -> dict:
-        """MooncakeStore's settings (--hicache-storage-backend-extra-config) for this master:
-        TCP over loopback, a 64 MiB segment, objects namespaced by `tag`."""
-        return {
-            "master_server_address": self.master_address,
-            "metadata_server": self.metadata_server,
-            "local_hostname": "127.0.0.1",
-            "protocol": "tcp",
-            "device_name": "",
-            "global_segment_size": 64 << 20,
-            "check_server": False,
-            "extra_backend_tag": tag,
-        }
-
-    def start(self):
-        for _ in range(MASTER_START_TRIES):
-            if self._start_once():
-                return
-        raise RuntimeError(f"mooncake_master exited at start {MASTER_START_TRIES} times; last log:\n"
-                           f"{self.log_path.read_text()[-2000:]}")
-
-    def _start_once(self) -> bool:
-        """Start on fresh ports; False if the master exited before serving (a port taken)."""
-        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [str(self.binary), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                 f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-                 f"--metrics_port={self.metrics_port}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + MASTER_START_S
-        # Up once all three serve: the admin (metrics) server starts last, about a second
-        # after the others, and the master exits if it cannot bind.
-        while not all(_accepts(port) for port in (self.rpc_port, self.http_port, self.metrics_port)):
-            if self.proc.poll() is not None:
-                return False
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mooncake_master did not serve on {self.master_address} within "
-                                   f"{MASTER_START_S} s:\n{self.log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-        return True
-
-    def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(MASTER_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(MASTER_STOP_S)
-
-    @contextmanager
-    def running(self):
-        self.start()
-        try:
-            yield self
-        finally:
-            self.stop()
 
 
 @contextmanager

@@ -3,12 +3,12 @@
 
     python3 ci/e2e/compare_servers.py --pool all --launcher local \\
         --pristine-path P --patched-path Q [--gpus 0,1] [--jobs 6] [--l3 also] \\
-        [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
+        [--l3-store mooncake] [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
     python3 ci/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
     python3 ci/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
 
 Each row of the matrix (e2e_matrix.build_rows) is one server: a model case, a host
-layout (`--hicache-mem-layout`), L3 off or the file store, and a variant: `native`
+layout (`--hicache-mem-layout`), L3 off or on, and a variant: `native`
 (SGLang 0.5.20 as released, kvcached off: the oracle), `elastic-<layout>` (the series,
 kvcached on in that layout), `pristine-<layout>` (SGLang 0.5.20 as released with
 kvcached on: the failure the series fixes, expected and recorded, not an error). Every
@@ -17,7 +17,10 @@ server gets SGLang's default HiCache flags plus the row's, the same traffic
 it out of the device pool (L3: out of host memory too), the set again), and is judged
 against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
 (tolerance --logprob-tol, default 0: bit-identical), device/host/storage hit tokens per
-prompt, and kvcached's allocation line in the log. Dummy-weight servers get
+prompt, and kvcached's allocation line in the log. The L3 store (--l3-store) is SGLang's
+file store (a fresh folder per server) or Mooncake: one mooncake_master on loopback
+(mooncake_store.py), started before the rows and stopped after them (also on SIGTERM or
+Ctrl-C), each server a client under its own tag. Dummy-weight servers get
 ci/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
 model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
 logprob); their log must show it ran. Passes never use /flush_cache: in
@@ -33,6 +36,7 @@ command and environment, the environment of the run and the patches/ state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -54,6 +58,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "rig"))   # real_kernels: the GPU rig's op recorder
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as judge  # noqa: E402
+import mooncake_store  # noqa: E402
 import servers  # noqa: E402
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
@@ -79,6 +84,7 @@ class Runner:
         self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
         self.extra_env = servers.parse_env(opts.env)
         self.live: set[servers.Server] = set()
+        self.store: mooncake_store.MooncakeMaster | None = None   # --l3-store mooncake
         self.stopping = False
         # each finished row at once, so that a run cut short keeps what it did
         self.journal = Path(opts.out).with_suffix(".rows.jsonl")
@@ -101,6 +107,7 @@ class Runner:
                 "pool": row.case.pool, "tp": row.case.tp, "pp": row.case.pp,
                 "variant": row.variant.name, "tree": row.variant.tree,
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
+                "l3_store": row.l3_store if row.l3 else None,
                 "io_backend": row.io_backend,
                 "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy,
                 "draft": row.case.draft, "models_per_rank": 2 if row.case.draft else 1}
@@ -138,9 +145,9 @@ class Runner:
         opts, plan = self.opts, row.case.plan_of(self.plan)
         port = opts.port + 10 * slot
         gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
-        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)])
+        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], self.store)
         storage = None
-        if row.l3:
+        if row.l3 and row.l3_store == "file":
             storage = (tempfile.mkdtemp(prefix="e2e-l3-") if opts.launcher == "local"
                        else f"/tmp/e2e-l3-{slot}")
         env = {**self.extra_env, **matrix.server_env(row, storage)}
@@ -249,7 +256,11 @@ def options(argv=None):
     ap.add_argument("--variants", nargs="+", default=list(matrix.DEFAULT_VARIANTS), choices=sorted(matrix.VARIANTS))
     ap.add_argument("--io-backend", nargs="+", default=list(matrix.IO_BACKENDS[:1]), choices=matrix.IO_BACKENDS,
                     help="--hicache-io-backend of the rows (direct: page_first runs as page_first_direct)")
-    ap.add_argument("--l3", choices=matrix.L3_MODES, default="off", help="file-store groups: none, also, only")
+    ap.add_argument("--l3", choices=matrix.L3_MODES, default="off", help="L3 groups: none, also, only")
+    ap.add_argument("--l3-store", choices=matrix.L3_STORES, default="file",
+                    help="the L3 rows' store: SGLang's file store, or a Mooncake master this run starts")
+    ap.add_argument("--mooncake-master", metavar="PATH",
+                    help="the mooncake_master binary (default: the one in the mooncake package --python imports)")
     ap.add_argument("--skip", nargs="+", default=[], metavar="GLOB",
                     help="leave out rows whose key matches, e.g. '*-tp2/layer_first/*' '*/l3/*'")
     ap.add_argument("--launcher", choices=["docker", "local"], default="docker")
@@ -290,7 +301,8 @@ def main(argv=None) -> int:
         return 0
     try:
         rows = matrix.skip_rows(matrix.build_rows(matrix.select_cases(opts.case, opts.pool, opts.case_set),
-                                                  opts.host_layout, opts.variants, opts.l3, opts.io_backend),
+                                                  opts.host_layout, opts.variants, opts.l3, opts.io_backend,
+                                                  opts.l3_store),
                                  opts.skip)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
@@ -305,11 +317,29 @@ def main(argv=None) -> int:
               "logprob_tol": opts.logprob_tol}
     runner = Runner(opts, plan)
     order = matrix.run_order(rows)
+    if any(r.l3 for r in rows):
+        report["l3_store"] = {"store": opts.l3_store}
+    if opts.l3_store == "mooncake" and any(r.l3 and not r.not_run for r in rows):
+        try:
+            runner.store = mooncake_store.MooncakeMaster(
+                runner.logs / "mooncake_master.log",
+                opts.mooncake_master or mooncake_store.packaged_binary(opts.python))
+            # the servers' store client (under docker: the package of this host's --python)
+            report["l3_store"].update(mooncake=mooncake_store.package(opts.python),
+                                      mooncake_master=str(runner.store.binary))
+        except mooncake_store.MasterError as exc:
+            raise SystemExit(f"error: {exc}")
 
     def run_all() -> dict:
-        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
-    done = servers.with_signals(runner.stop_all, run_all)
+        with runner.store.running() if runner.store else contextlib.nullcontext():
+            if runner.store:
+                print(f"mooncake_master on {runner.store.master_address} (log {runner.store.log_path})", flush=True)
+            with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+                return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
+    try:
+        done = servers.with_signals(runner.stop_all, run_all)
+    except mooncake_store.MasterError as exc:
+        raise SystemExit(f"error: {exc}")
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)

@@ -1,13 +1,15 @@
 """What the model-level comparison runs: model cases, server variants, rows, flags, traffic.
 
 A *row* is one server run: a model case (its pool kind), a host layout, with or without
-the L3 file store, and a variant (which SGLang tree, kvcached on or off and its layout).
+an L3 store (SGLang's file store, or one Mooncake master shared by the run's servers, each
+under its own tag), and a variant (which SGLang tree, kvcached on or off and its layout).
 Rows with the same case, host layout and L3 setting form a group; the group's `native`
 row (SGLang 0.5.20 as released, kvcached off) is the oracle the others are compared to.
 """
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import random
 from dataclasses import dataclass, field, replace
@@ -23,6 +25,11 @@ POOL_KINDS = ("mha", "mla", "mamba", "swa")
 KVCACHED_LAYOUTS = ("contiguous", "per-layer")   # KVCACHED_CONTIGUOUS_LAYOUT=true / false
 HOST_LAYOUTS = ("page_first", "layer_first")     # page_first is SGLang's default
 L3_MODES = ("off", "also", "only")
+L3_STORES = ("file", "mooncake")                 # --hicache-storage-backend of the L3 rows
+# Mooncake: the memory each server gives the store (SGLang's default, 4 GB), over the
+# whole L3 traffic of any case (Qwen2.5-7B: about 13k tokens of 56 KiB, 0.7 GiB), so the
+# store evicts nothing and what comes back does not depend on timing
+MOONCAKE_SEGMENT_BYTES = 4 << 30
 IO_BACKENDS = ("kernel", "direct")               # --hicache-io-backend; kernel is SGLang's default
 # With direct io SGLang turns page_first into page_first_direct (arg_groups/hicache_hook.py),
 # whose sglang-kernel copies address each layer as dense: the series refuses it at startup
@@ -48,7 +55,8 @@ class Case:
     # kvcached layouts in which SGLang 0.5.20 as released serves this pool wrongly (the series'
     # subject); elsewhere the pristine tree is already right (dense views) and is not run
     pristine_fails: tuple[str, ...] = ("contiguous",)
-    # why its L3 group is not run ("" runs it): recorded as a row "not run" with the reason
+    # why its L3 group is not run on the file store ("" runs it): recorded as a row
+    # "not run" with the reason
     no_l3: str = ""
     # kvcached layouts whose views are strided for this pool: with direct io and page_first
     # (page_first_direct) the series refuses them at startup, where native serves
@@ -91,8 +99,9 @@ _QWEN35 = dict(pool="mamba", kvcached_env=(("KVCACHED_PAGE_SIZE_MB", "4"),),
 # where native does, and no prefix comes back from host. At page size 1 both hold the same.
 # SGLang's file store keeps one file per page, so at page size 1 a 511-token prefix comes
 # back from 511 files: 5-20 s a prefetch natively, and a request of the L3 pass timed out on
-# native SGLang (H200). MLA's L3 path is checked below the server (file and Mooncake
-# stores, tests/cpu/test_l3_storage.py).
+# native SGLang (H200). The Mooncake store keeps pages in its clients' memory, not a file
+# each, so with --l3-store mooncake the MLA L3 rows run (not yet on a GPU); below the
+# server, tests/cpu/test_l3_storage.py checks MLA over both stores.
 _MLA = dict(pool="mla", page_size=1,
             no_l3="page size 1 (see _MLA): SGLang's file store reads a 511-token prefix from 511 files, "
                   "too slow natively for this traffic")
@@ -166,6 +175,7 @@ class Row:
     refusal: str = ""          # "refused": startup stops with this message
     not_run: str = ""          # why the row is recorded without starting a server
     io_backend: str = "kernel"
+    l3_store: str = "file"     # one of L3_STORES, for an L3 row
 
     @property
     def group(self) -> str:
@@ -178,7 +188,7 @@ class Row:
 
 
 def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VARIANTS,
-               l3: str = "off", io_backends=IO_BACKENDS[:1]) -> list[Row]:
+               l3: str = "off", io_backends=IO_BACKENDS[:1], l3_store: str = "file") -> list[Row]:
     """Every server run of the comparison, natives first within each group.
 
     A pristine variant runs only where the pristine tree is known to get the pool wrong
@@ -186,7 +196,8 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
     natively and with kvcached's default layout only, both expected to stop at startup.
     With direct io, page_first becomes page_first_direct: kvcached layouts with strided
     views are expected to be refused by the series (native serves). L3 groups use the
-    default host layout and kernel io.
+    default host layout and kernel io, and `l3_store` (a case's no_l3 concerns the file
+    store only).
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -195,6 +206,8 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
         raise ValueError("the native variant is the oracle: it must be among the variants")
     if l3 not in L3_MODES:
         raise ValueError(f"--l3 must be one of {L3_MODES}, not {l3!r}")
+    if l3_store not in L3_STORES:
+        raise ValueError(f"--l3-store must be one of {L3_STORES}, not {l3_store!r}")
     bad = [h for h in host_layouts if h not in HOST_LAYOUTS]
     if bad:
         raise ValueError(f"unknown host layouts {bad}; choose from {HOST_LAYOUTS}")
@@ -209,8 +222,8 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
         refused = dict(case.refused_layouts)
         for host_layout, with_l3, io in groups:
             add = lambda variant, expect, refusal="", not_run="": rows.append(
-                Row(case, host_layout, with_l3, variant, expect, refusal, not_run, io))
-            if with_l3 and case.no_l3:
+                Row(case, host_layout, with_l3, variant, expect, refusal, not_run, io, l3_store))
+            if with_l3 and case.no_l3 and l3_store == "file":
                 add(NATIVE, "match", not_run=case.no_l3)
                 continue
             if host_layout in refused:
@@ -283,7 +296,7 @@ def traffic(plan: Plan, vocab_size: int, l3: bool, requests: list[dict] | None =
     """Pass 1 computes the prompt set on device (HiCache writes it through to host); the
     filler, distinct prompts totalling more than the device pool (L3: more than the host
     pool), pushes it out; pass 2 sends the set again plus new suffixes on the shared prefix,
-    whose prefixes now come back from host (L3: from the file store). With `requests`
+    whose prefixes now come back from host (L3: from the store). With `requests`
     (real text: `id` "group/N" and `input_ids`), pass 1 holds each group's requests but
     its last, which pass 2 adds: a new question on a cached system prompt and passage."""
     rng = random.Random(plan.seed)
@@ -304,8 +317,15 @@ def traffic(plan: Plan, vocab_size: int, l3: bool, requests: list[dict] | None =
     return Traffic(pass1=distinct + shared, filler=filler, pass2=distinct + shared + extensions)
 
 
-def server_args(row: Row, port: int, plan: Plan, extra_flags=()) -> list[str]:
-    """`sglang.launch_server` arguments: within a group identical for every variant."""
+def store_tag(row: Row) -> str:
+    """The row's own namespace in a shared Mooncake store (MooncakeStore's extra_backend_tag)."""
+    return row.key.replace("/", "_")
+
+
+def server_args(row: Row, port: int, plan: Plan, extra_flags=(), store=None) -> list[str]:
+    """`sglang.launch_server` arguments: within a group identical for every variant but an
+    L3 row's Mooncake tag. `store`: the run's master (mooncake_store.MooncakeMaster), which
+    a Mooncake L3 row needs."""
     args = ["--model-path", row.case.model, "--host", "127.0.0.1", "--port", str(port),
             "--tp-size", str(row.case.tp), *(["--pp-size", str(row.case.pp)] if row.case.pp > 1 else []),
             "--page-size", str(row.case.page_size or plan.page_size),
@@ -318,7 +338,12 @@ def server_args(row: Row, port: int, plan: Plan, extra_flags=()) -> list[str]:
     if row.l3:
         # wait_complete: a prefetch from the store finishes before the request is scheduled,
         # so the hit count does not depend on timing (SGLang's default, timeout, may cut it)
-        args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete"]
+        args += ["--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend", row.l3_store]
+        if row.l3_store == "mooncake":
+            if store is None:
+                raise ValueError(f"{row.key}: a Mooncake L3 row needs the run's mooncake_master")
+            args += ["--hicache-storage-backend-extra-config",
+                     json.dumps(store.extra_config(store_tag(row), MOONCAKE_SEGMENT_BYTES))]
     args += ["--skip-tokenizer-init", *row.case.extra_flags]
     if row.case.dummy:
         args += ["--load-format", "dummy"]
@@ -341,7 +366,7 @@ def server_env(row: Row, storage_dir: str | None = None) -> dict[str, str]:
             "KVCACHED_IPC_NAME": "e2e_" + row.key.replace("/", "_").replace(".", "-"),
             **dict(row.case.kvcached_env),
         })
-    if row.l3:
+    if row.l3 and row.l3_store == "file":
         if not storage_dir:
             raise ValueError(f"{row.key}: an L3 row needs its own storage directory")
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir

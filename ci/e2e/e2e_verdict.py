@@ -136,7 +136,7 @@ def native_problems(run: dict, l3: bool) -> list[str]:
         problems.append("native run logged kvcached allocations: kvcached was not off")
     hits = hit_totals(run)
     if l3 and not hits["storage_tokens"]:
-        problems.append("native never hit the file store: the filler did not push the set out of host memory")
+        problems.append("native never hit the L3 store: the filler did not push the set out of host memory")
     if not l3 and not hits["host_tokens"]:
         problems.append("native never hit the host cache: the filler did not push the set out of the device")
     if run.get("draft") and not any(SPEC_KEYS[0] in a for answers in (run.get("passes") or {}).values()
@@ -241,7 +241,7 @@ def markdown_table(rows: list[dict]) -> str:
             r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""),
             r["kvcached"] or "off (native)", r["tree"],
             r["host_layout"] + (" (direct io)" if r.get("io_backend") == "direct" else ""),
-            "file" if r["l3"] else "-", r["result"],
+            r.get("l3_store", "file") if r["l3"] else "-", r["result"],
             f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
             f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",
             f"{r['run_s']:.0f}" if r.get("run_s") is not None else "-",

@@ -175,8 +175,8 @@ class MooncakeMaster:
 
     @contextmanager
     def running(self):
-        self.start()
         try:
+            self.start()    # inside: a signal while it waits still stops the master
             yield self
         finally:
             self.stop()

@@ -15,12 +15,17 @@ import copy
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.support import fake_mooncake_master
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
@@ -29,6 +34,7 @@ import compare_servers as e2e  # noqa: E402
 import servers  # noqa: E402
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as verdict  # noqa: E402
+import mooncake_store  # noqa: E402
 
 # what the runs in docs/e2e-results.md passed besides the matrix's own flags
 STANDIN_FLAGS = ("--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none "
@@ -447,7 +453,7 @@ def test_judge_checks_the_oracle_too():
     l3 = [row_dict("native", host=0, storage=448, l3=True)]
     assert verdict.judge(l3, 0.0) == []
     l3_cold = [row_dict("native", host=448, storage=0, l3=True)]
-    assert any("never hit the file store" in p for p in verdict.judge(l3_cold, 0.0))
+    assert any("never hit the L3 store" in p for p in verdict.judge(l3_cold, 0.0))
     polluted = [row_dict("native")]
     polluted[0]["kvcached_lines"] = ["VirtualKV Cache is allocated"]
     assert any("kvcached was not off" in p for p in verdict.judge(polluted, 0.0))
@@ -496,25 +502,32 @@ def test_patches_state_tracks_every_listed_patch(tmp_path):
 
 # A stand-in for `python -m sglang.launch_server`: answers /health_generate and /generate
 # like SGLang's server (greedy ids, top logprobs, cache details). A prompt seen before is a
-# host hit (a storage hit with --hicache-storage-backend); kvcached on logs its allocation
+# host hit (a storage hit with --hicache-storage-backend: a file store's folder must exist, a
+# Mooncake master must accept its client; FAKE_HANG: /generate never answers); kvcached on logs its allocation
 # line; the pristine tree with kvcached on dies at its first hit, as 0.5.20 does at the
 # first backup; FAKE_SKEW makes kvcached answers differ. Where SGLang's plugin loader would
 # find the trained-scale weights plugin (its entry point on the path), it prints that
 # plugin's line, as a dummy-weight server does.
 FAKE_SERVER = textwrap.dedent('''
-    import argparse, importlib.metadata, json, os, sys
+    import argparse, importlib.metadata, json, os, socket, sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
     import sglang
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int)
     ap.add_argument("--page-size", type=int)
     ap.add_argument("--hicache-storage-backend")
+    ap.add_argument("--hicache-storage-backend-extra-config")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--pp-size", type=int, default=1)
     args, _ = ap.parse_known_args()
     elastic = os.environ["ENABLE_KVCACHED"] == "true"
     store = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
-    if args.hicache_storage_backend and not (store and os.path.isdir(store)):
+    if args.hicache_storage_backend == "mooncake":
+        config = json.loads(args.hicache_storage_backend_extra_config)
+        host, port = config["master_server_address"].rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
+        print(f"Using Mooncake config prefix: {config['extra_backend_tag']}", flush=True)
+    elif args.hicache_storage_backend and not (store and os.path.isdir(store)):
         sys.exit("RuntimeError: no storage directory")
     if elastic:
         print("[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: 4096", flush=True)
@@ -538,6 +551,8 @@ FAKE_SERVER = textwrap.dedent('''
             self.wfile.write(data)
         do_GET = do_POST
         def generate(self, req):
+            if os.environ.get("FAKE_HANG"):
+                time.sleep(120)
             ids = req["input_ids"]
             hit = (len(ids) - 1) // args.page_size * args.page_size if tuple(ids) in seen else 0
             seen.add(tuple(ids))
@@ -606,6 +621,77 @@ def test_runner_fails_when_kvcached_answers_differ(fake_trees, tmp_path):
     problems = json.loads(out.read_text())["problems"]
     assert problems and all(p.startswith("qwen2-tiny/page_first/elastic-contiguous: ") for p in problems)
     assert any("greedy tokens differ" in p for p in problems)
+
+
+@pytest.fixture
+def fake_master(tmp_path, monkeypatch):
+    """A stand-in mooncake_master (--mooncake-master) and where it writes its pid."""
+    pid_file = tmp_path / "master.pid"
+    monkeypatch.setenv("FAKE_MASTER_PID", str(pid_file))
+    return fake_mooncake_master.executable(tmp_path), pid_file
+
+
+def gone(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_runner_with_a_mooncake_store_starts_one_master_and_stops_it(fake_trees, fake_master, tmp_path):
+    binary, pid_file = fake_master
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--l3", "also", "--l3-store", "mooncake", "--mooncake-master", str(binary),
+                     "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["problems"] == [] and gone(pid_file)
+    assert report["l3_store"] == {"store": "mooncake", "mooncake_master": str(binary),
+                                  "mooncake": mooncake_store.package(sys.executable)}
+    l3 = [r for r in report["rows"] if r["l3"]]
+    assert {r["variant"] for r in l3} == {"native", "elastic-contiguous", "elastic-per-layer"}
+    tags = []
+    for row in l3:      # each a client of the one master (the stand-in exits otherwise), under its own tag
+        ns = parse(row["command"][3:])
+        assert ns.hicache_storage_backend == "mooncake" and ns.hicache_storage_prefetch_policy == "wait_complete"
+        tags.append(json.loads(ns.hicache_storage_backend_extra_config)["extra_backend_tag"])
+        assert f"Using Mooncake config prefix: {tags[-1]}" in Path(row["log"]).read_text()
+        assert verdict.hit_totals(row)["storage_tokens"] > 0 and verdict.hit_totals(row)["host_tokens"] == 0
+        assert row["result"] in ("oracle", "matches native")
+    assert len(set(tags)) == len(tags)
+    assert all(parse(r["command"][3:]).hicache_storage_backend is None for r in report["rows"] if not r["l3"])
+    assert {r["l3_store"] for r in l3} == {"mooncake"}
+    assert "| mooncake |" in verdict.markdown_table(report["rows"])
+
+
+def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_master, tmp_path):
+    binary, pid_file = fake_master
+    returned = threading.Event()
+
+    def terminate():        # once the master serves and the servers take requests that never end
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)
+        if pid_file.exists() and not returned.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=terminate, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit, match="stopped"):
+            e2e.main([*fake_trees, "--l3", "only", "--variants", "native", "elastic-contiguous", "--l3-store",
+                      "mooncake", "--mooncake-master", str(binary), "--env", "FAKE_HANG=1",
+                      "--out", str(tmp_path / "report.json")])
+    finally:
+        returned.set()
+    assert gone(pid_file)
+
+
+def test_a_master_that_does_not_start_stops_the_run_in_one_line(fake_trees, fake_master, tmp_path, monkeypatch):
+    binary, _ = fake_master
+    monkeypatch.setenv("FAKE_MASTER", "exit")
+    with pytest.raises(SystemExit, match="^error: .* exited before serving, 3 times; [^\n]*$"):
+        e2e.main([*fake_trees, "--l3", "only", "--l3-store", "mooncake", "--mooncake-master", str(binary),
+                  "--out", str(tmp_path / "report.json")])
 
 
 def test_dummy_weight_servers_must_draw_trained_scale_weights(fake_trees, tmp_path, monkeypatch):

@@ -15,6 +15,8 @@ from unittest import mock
 
 import torch
 
+from sglang.srt.mem_cache.pool_host import base as base_pool_host
+from sglang.srt.mem_cache.pool_host import common as common_pool_host
 from sglang.srt.mem_cache.pool_host import mha as mha_pool_host
 from sglang.srt.mem_cache.pool_host import mla as mla_pool_host
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -233,6 +235,31 @@ class _StridedDeviceRowsCase(CustomTestCase):
                     (_mla_device_pool if self.mla else _mha_device_pool)(True),
                     2.0, 0, PAGE, "layer_first", pin_memory=False, device="cpu",
                 )
+
+    def test_a_refused_pool_unpins_the_host_buffers_it_pinned(self):
+        # The refusal comes after __init__ pinned the host buffers; left pinned, the
+        # registration outlives the freed memory and the next host pool allocated
+        # there cannot pin it (cudaErrorHostMemoryAlreadyRegistered).
+        pinned, registrations = {}, []
+
+        def register(buffer, registration_granularity_bytes=None):
+            registrations.append(buffer.data_ptr())
+            pinned[buffer.data_ptr()] = buffer
+
+        def unregister(buffer):
+            del pinned[buffer.data_ptr()]
+
+        cls = mla_pool_host.MLATokenToKVPoolHost if self.mla else mha_pool_host.MHATokenToKVPoolHost
+        with mock.patch.object(common_pool_host, "_cuda_host_register", register), mock.patch.object(
+            base_pool_host, "_cuda_host_unregister", unregister
+        ), mock.patch.object(base_pool_host, "_is_cuda", True):
+            with self.assertRaisesRegex(ValueError, "page_first_direct has no copy path"):
+                cls(
+                    (_mla_device_pool if self.mla else _mha_device_pool)(True),
+                    2.0, 0, PAGE, "page_first_direct", pin_memory=True, device="cpu",
+                )
+        self.assertTrue(registrations)
+        self.assertEqual(pinned, {})
 
     def _kinds_stride(self):
         row = KV_DIM * 2 if self.mla else HEADS * HEAD_DIM * 2

@@ -83,6 +83,10 @@ class Runner:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
         self.extra_env = servers.parse_env(opts.env)
+        # SGLang's DeepSeek and EAGLE paths import deep_gemm: the import-only stand-in
+        # (ci/rig/README.md) last on a local server's path where the interpreter lacks it
+        self.last_paths = ([str(servers.STANDIN_SITE)] if opts.launcher == "local"
+                           and servers.lacks(opts.python, "deep_gemm") else [])
         self.live: set[servers.Server] = set()
         self.store: mooncake_store.MooncakeMaster | None = None   # --l3-store mooncake
         self.stopping = False
@@ -160,7 +164,8 @@ class Runner:
         process_env = None
         if opts.launcher == "local":
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
-            process_env = servers.local_env(env, [str(Path(tree).resolve()), *plugins], gpus=",".join(gpus))
+            process_env = servers.local_env(env, [str(Path(tree).resolve()), *plugins], self.last_paths,
+                                           gpus=",".join(gpus))
         log = self.logs / (row.key.replace("/", "__") + ".log")
         log.write_text("")          # this run's log only: the verdict reads its error lines
         server = servers.Server(command, port, log, env, process_env)

@@ -512,6 +512,8 @@ FAKE_SERVER = textwrap.dedent('''
     import argparse, importlib.metadata, json, os, socket, sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
     import sglang
+    if os.environ.get("FAKE_IMPORT"):  # as SGLang's DeepSeek and EAGLE paths import deep_gemm
+        __import__(os.environ["FAKE_IMPORT"])
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int)
     ap.add_argument("--page-size", type=int)
@@ -612,6 +614,15 @@ def test_runner_end_to_end_against_a_stand_in_server(fake_trees, tmp_path, capsy
     assert len(journal.read_text().splitlines()) == len(rows)
     assert e2e.main(["--table", str(journal)]) == 0   # the journal renders as the report does
     assert capsys.readouterr().out.count("matches native") == table.count("matches native") > 0
+
+
+def test_local_servers_import_the_deep_gemm_stand_in_where_the_interpreter_has_none(fake_trees, tmp_path):
+    assert servers.lacks(sys.executable, "deep_gemm")
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "--env", "FAKE_IMPORT=deep_gemm",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["result"] for r in rows] == ["oracle", "matches native"]
 
 
 def test_runner_fails_when_kvcached_answers_differ(fake_trees, tmp_path):

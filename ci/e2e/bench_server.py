@@ -306,9 +306,13 @@ def summarize(runs: list[dict], variants: list[str]) -> dict:
 
 def target_verdict(stat: dict, target: float) -> str:
     """'met' (the median ratio meets it), 'within spread' (the median misses, some round
-    meets it) or 'short' (every round misses it); throughput targets are floors, TTFT ones ceilings."""
+    meets it) or 'short' (every round misses it); throughput targets are floors, TTFT ones
+    ceilings. A single measured round has no spread and is not judged."""
     if stat["ratio"] is None:
         return "not measured"
+    measured = [r for r in stat.get("ratios") or [] if r is not None]
+    if stat.get("ratios") is not None and len(measured) < 2:
+        return "not judged (one round: no spread)"
     floor = target < 1
     meets = (lambda x: x >= target) if floor else (lambda x: x <= target)
     if meets(stat["ratio"]):
@@ -380,8 +384,9 @@ def render(report: dict) -> str:
                 if e.get("targets"):
                     lines.append("")
                     lines.append(f"{v} against the targets (throughput >= 0.98, TTFT <= 1.02 of native): "
-                                 + ", ".join(f"{dict((m, l) for m, l, _ in METRICS)[m]} {verdict}"
-                                             for m, verdict in e["targets"].items()) + ".")
+                                 + ", ".join(f"{dict((m, l) for m, l, _ in METRICS)[m]} "
+                                             f"{target_verdict(e['metrics'][m], t)}"  # judged as rendered
+                                             for m, t in TARGETS.items()) + ".")
     if report.get("problems"):
         lines += ["", "## Problems", ""] + [f"- {p}" for p in report["problems"]]
     return "\n".join(lines) + "\n"

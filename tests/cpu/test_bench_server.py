@@ -261,3 +261,6 @@ def test_targets_are_met_within_the_spread_or_short():
     assert bench.target_verdict(stat(1.03, 1.01, 1.05), 1.02) == "within spread"
     assert bench.target_verdict(stat(1.03, 1.025, 1.05), 1.02) == "short"
     assert bench.target_verdict(stat(None, None, None), 1.02) == "not measured"
+    one_round = {"ratio": 1.18, "min": 1.18, "max": 1.18, "ratios": [1.18, None, None]}
+    assert bench.target_verdict(one_round, 0.98) == "not judged (one round: no spread)"
+    assert bench.target_verdict({**one_round, "ratios": [1.18, 0.99, None]}, 0.98) == "met"

@@ -16,3 +16,14 @@ if importlib.util.find_spec("datasets") is None:
 
     stand_in.load_dataset = load_dataset
     sys.modules["datasets"] = stand_in
+
+
+def pytest_configure(config):
+    """One line, not a traceback per file, where the SGLang under test lacks its own test
+    package (the tests are written against sglang.test, as SGLang's are)."""
+    import pytest
+
+    if importlib.util.find_spec("sglang.test") is None:
+        raise pytest.UsageError(
+            "tests/upstream needs sglang.test (CustomTestCase, the CI registry), which the SGLang on "
+            "PYTHONPATH lacks: use a tree that ships sglang/test, as PyPI's wheel does")

@@ -47,20 +47,33 @@ def newest(runs: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 def title(folder: Path) -> str:
+    """A run's README's first line (its heading), else the folder's name."""
     readme = folder / "README.md"
-    line = readme.read_text().splitlines()[0].lstrip("# ").strip() if readme.is_file() else folder.name
-    return f"- `{folder.relative_to(ROOT)}`: {line}"
+    return readme.read_text().splitlines()[0].lstrip("# ").strip() if readme.is_file() else folder.name
 
 
-def section(name: str, runs: list[Path], render) -> list[str]:
-    shown, older = newest(runs)
+def listed(folder: Path) -> str:
+    return f"- `{folder.relative_to(ROOT)}`: {title(folder)}"
+
+
+def demoted(markdown: str) -> str:
+    """A renderer's markdown under this file's headings: its title dropped, its sections
+    two levels down."""
+    lines = [line for line in markdown.splitlines() if not line.startswith("# ")]
+    return "\n".join("##" + line if line.startswith("#") else line for line in lines).strip()
+
+
+def section(name: str, runs: list[Path], render, renders=lambda folder: True) -> list[str]:
+    """The newest date's runs that ``renders`` accepts, rendered; every other run listed."""
+    shown, _ = newest([p for p in runs if renders(p)])
     lines = [f"## {name}", ""]
     if not shown:
-        return lines + ["No committed run.", ""]
+        lines += ["No committed run.", ""]
     for folder in shown:
-        lines += [f"### `{folder.relative_to(ROOT)}`", "", title(folder)[2:], "", render(folder), ""]
-    if older:
-        lines += ["Older runs (their READMEs say what each ran):", "", *map(title, older), ""]
+        lines += [f"### `{folder.relative_to(ROOT)}`", "", title(folder), "", render(folder), ""]
+    others = [p for p in runs if p not in shown]
+    if others:
+        lines += ["Other runs (their READMEs say what each ran and found):", "", *map(listed, others), ""]
     return lines
 
 
@@ -104,10 +117,10 @@ def render() -> str:
            "edit. Each run's README says the command, the machine, the versions and the series.",
            ""]
     out += section("Server matrix: native vs kvcached (`ci/e2e/compare_servers.py`)",
-                   folders(RUNS / "e2e"), e2e)
+                   folders(RUNS / "e2e"), e2e, lambda p: any(p.glob("*report.json*")))
     out += section("Server benchmark: SGLang's bench_serving (`make bench-server`)",
                    folders(BENCH, lambda p: (p / "report.json").is_file()),
-                   lambda f: tool("ci/e2e/bench_server.py", "--render", str(f / "report.json")))
+                   lambda f: demoted(tool("ci/e2e/bench_server.py", "--render", str(f / "report.json"))))
     out += section("Differential gate on a GPU (pristine vs patched, dense pools)",
                    folders(RUNS / "differential", lambda p: (p / "patched.json.gz").is_file()), differential)
     out += ["## GPU tier (`tests/gpu`, `docs/runs/gpu-tier/results.jsonl`)", "",

@@ -3,7 +3,7 @@
 
     python3 ci/e2e/compare_servers.py --pool all --launcher local \\
         --pristine-path P --patched-path Q [--gpus 0,1] [--jobs 6] [--l3 also] \\
-        [--l3-store mooncake] [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
+        [--l3-store mooncake [--shared-store]] [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
     python3 ci/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
     python3 ci/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
 
@@ -20,7 +20,9 @@ against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
 prompt, and kvcached's allocation line in the log. The L3 store (--l3-store) is SGLang's
 file store (a fresh folder per server) or Mooncake: one mooncake_master on loopback
 (mooncake_store.py), started before the rows and stopped after them (also on SIGTERM or
-Ctrl-C), each server a client under its own tag. Dummy-weight servers get
+Ctrl-C), each server a client under its own tag; --shared-store adds rows of two servers
+under one tag, a writer (pass 1, filler) and, while it runs, a reader (pass 2) that must
+answer from what the writer stored. Dummy-weight servers get
 ci/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
 model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
 logprob); their log must show it ran. Passes never use /flush_cache: in
@@ -113,6 +115,7 @@ class Runner:
                 "kvcached": row.variant.kvcached, "host_layout": row.host_layout, "l3": row.l3,
                 "l3_store": row.l3_store if row.l3 else None,
                 "io_backend": row.io_backend,
+                "shared": row.shared,
                 "expect": row.expect, "refusal": row.refusal, "dummy": row.case.dummy,
                 "draft": row.case.draft, "models_per_rank": 2 if row.case.draft else 1}
 
@@ -146,15 +149,64 @@ class Runner:
         return result
 
     def serve(self, row: matrix.Row, slot: int) -> dict:
-        opts, plan = self.opts, row.case.plan_of(self.plan)
-        port = opts.port + 10 * slot
+        port = self.opts.port + 10 * slot
         gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
-        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], self.store)
+        if row.shared:
+            return self.serve_pair(row, port, gpus)
+        with self.launched(row, port, gpus) as (server, result):
+            if not result.get("outcome"):
+                passes = self.served(server, result, lambda: self.traffic(server, row))
+                if result["outcome"] == "served":
+                    result["passes"] = passes
+        self.done(row, result)
+        return result
+
+    def serve_pair(self, row: matrix.Row, port: int, gpus: list[str]) -> dict:
+        """A shared-store row: the writer serves pass 1 and the filler; the reader, under
+        the same tag, pass 2. The writer runs until the reader is done: a Mooncake client's
+        objects live in the memory segment it gives the store, and go with it. The reader
+        takes the GPUs after the writer's in --gpus (the same ones where there are no more)."""
+        passes: dict = {}
+        with self.launched(row, port, gpus, "writer") as (writer, result):
+            if not result.get("outcome"):
+                passes = self.served(writer, result, lambda: self.traffic(writer, row, ("pass1", "filler")))
+            if result["outcome"] == "served":
+                after = [self.gpus[(self.gpus.index(gpus[-1]) + 1 + i) % len(self.gpus)] for i in range(len(gpus))]
+                with self.launched(row, port + 5, after, "reader") as (reader, result["reader"]):
+                    if not result["reader"].get("outcome"):
+                        passes.update(self.served(reader, result["reader"],
+                                                  lambda: self.traffic(reader, row, ("pass2",))))
+        reader = result.get("reader")
+        if reader and reader["outcome"] != "served":   # the row's outcome and error: the pair's
+            result["outcome"], result["error"] = "reader " + reader["outcome"], reader.get("error", "")
+        if result["outcome"] == "served":
+            result["passes"] = passes
+        self.done(row, result)
+        return result
+
+    def done(self, row: matrix.Row, result: dict) -> None:
+        print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: {result['outcome']} "
+              f"{result.get('error', '')[:120]}", flush=True)
+
+    def store_tag(self, row: matrix.Row, role: str) -> str:
+        """A Mooncake L3 server's tag: the row's, for both servers of a shared-store pair."""
+        return matrix.store_tag(row)
+
+    @contextlib.contextmanager
+    def launched(self, row: matrix.Row, port: int, gpus: list[str], role: str = ""):
+        """Start one server of the row and wait for it; yield it and its record (with an
+        `outcome` already where it never got ready); on leaving, stop it, remove its file
+        store and add what its log says. `role`: writer or reader of a shared-store row,
+        which share the row's Mooncake tag."""
+        opts, plan = self.opts, row.case.plan_of(self.plan)
+        tag = self.store_tag(row, role) if row.l3 and row.l3_store == "mooncake" else None
+        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], self.store,
+                                   tag)
         storage = None
         if row.l3 and row.l3_store == "file":
             storage = (tempfile.mkdtemp(prefix="e2e-l3-") if opts.launcher == "local"
-                       else f"/tmp/e2e-l3-{slot}")
-        env = {**self.extra_env, **matrix.server_env(row, storage)}
+                       else f"/tmp/e2e-l3-{port}")
+        env = {**self.extra_env, **matrix.server_env(row, storage, role)}
         plugins = [str(matrix.PLUGIN)] if row.case.dummy else []
         mounts = (row.case.model, *plugins) if row.case.dummy else ()
         if opts.launcher == "docker" and plugins:
@@ -166,11 +218,13 @@ class Runner:
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
             process_env = servers.local_env(env, [str(Path(tree).resolve()), *plugins], self.last_paths,
                                            gpus=",".join(gpus))
-        log = self.logs / (row.key.replace("/", "__") + ".log")
+        log = self.logs / (row.key.replace("/", "__") + (f".{role}" if role else "") + ".log")
         log.write_text("")          # this run's log only: the verdict reads its error lines
         server = servers.Server(command, port, log, env, process_env)
-        print(f"[{time.time() - self.started:6.0f} s] start {row.key} (GPU {','.join(gpus)}, port {port})", flush=True)
-        result = {"command": command, "env": env, "gpus": gpus, "log": str(log)}
+        print(f"[{time.time() - self.started:6.0f} s] start {row.key}{' ' + role if role else ''} "
+              f"(GPU {','.join(gpus)}, port {port})", flush=True)
+        result = {"command": command, "env": env, "gpus": gpus, "log": str(log),
+                  **({"store_tag": tag} if tag else {})}
         began = time.time()
         server.start()
         self.live.add(server)
@@ -179,26 +233,29 @@ class Runner:
             result["start_s"] = round(time.time() - began, 1)
             if why:
                 result["outcome"] = why
-            else:
-                began = time.time()
-                try:
-                    result["passes"] = self.traffic(server, row)
-                    result["outcome"] = "served"
-                except (*servers.UNREACHABLE, KeyError) as exc:
-                    result["outcome"] = "died serving" if server.wait_exit(20) else "request failed"
-                    result["request_error"] = f"{type(exc).__name__}: {exc}"
-                result["run_s"] = round(time.time() - began, 1)
+            yield server, result
         finally:
             server.stop()
             self.live.discard(server)
             if storage and opts.launcher == "local":
                 shutil.rmtree(storage, ignore_errors=True)
-        result.update(judge.scan_log(server.log_text()))
-        print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: {result['outcome']} "
-              f"{result.get('error', '')[:120]}", flush=True)
-        return result
+            result.update(judge.scan_log(server.log_text()))
 
-    def traffic(self, server: servers.Server, row: matrix.Row) -> dict:
+    def served(self, server: servers.Server, result: dict, send) -> dict:
+        """Run `send()` (the traffic) on a ready server: its outcome and run time into
+        `result`; what it returned, {} where a request failed."""
+        began = time.time()
+        passes = {}
+        try:
+            passes = send()
+            result["outcome"] = "served"
+        except (*servers.UNREACHABLE, KeyError) as exc:
+            result["outcome"] = "died serving" if server.wait_exit(20) else "request failed"
+            result["request_error"] = f"{type(exc).__name__}: {exc}"
+        result["run_s"] = round(time.time() - began, 1)
+        return passes
+
+    def traffic(self, server: servers.Server, row: matrix.Row, parts=("pass1", "filler", "pass2")) -> dict:
         requests = None
         if row.case.prompts:  # real text, tokenized with the checkpoint's own tokenizer
             import checkpoint
@@ -206,10 +263,11 @@ class Runner:
         plan = row.case.plan_of(self.plan)
         t = matrix.traffic(plan, row.case.vocab_size, row.l3, requests)
         timeout = self.opts.request_timeout
-        passes = {"pass1": [generate(server, ids, plan, timeout) for ids in t.pass1]}
-        for ids in t.filler:
-            generate(server, ids, plan, timeout)
-        passes["pass2"] = [generate(server, ids, plan, timeout) for ids in t.pass2]
+        passes = {}
+        for part in parts:   # in this order: the filler's answers are not kept
+            answers = [generate(server, ids, plan, timeout) for ids in getattr(t, part)]
+            if part != "filler":
+                passes[part] = answers
         return passes
 
 
@@ -264,6 +322,9 @@ def options(argv=None):
     ap.add_argument("--l3", choices=matrix.L3_MODES, default="off", help="L3 groups: none, also, only")
     ap.add_argument("--l3-store", choices=matrix.L3_STORES, default="file",
                     help="the L3 rows' store: SGLang's file store, or a Mooncake master this run starts")
+    ap.add_argument("--shared-store", action="store_true",
+                    help="with --l3-store mooncake: also pairs of servers under one tag, a writer (pass 1, "
+                         "filler) and a reader (pass 2) that must answer from what the writer stored")
     ap.add_argument("--mooncake-master", metavar="PATH",
                     help="the mooncake_master binary (default: the one in the mooncake package --python imports)")
     ap.add_argument("--skip", nargs="+", default=[], metavar="GLOB",
@@ -307,7 +368,7 @@ def main(argv=None) -> int:
     try:
         rows = matrix.skip_rows(matrix.build_rows(matrix.select_cases(opts.case, opts.pool, opts.case_set),
                                                   opts.host_layout, opts.variants, opts.l3, opts.io_backend,
-                                                  opts.l3_store),
+                                                  opts.l3_store, opts.shared_store),
                                  opts.skip)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")

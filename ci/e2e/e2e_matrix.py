@@ -5,6 +5,9 @@ an L3 store (SGLang's file store, or one Mooncake master shared by the run's ser
 under its own tag), and a variant (which SGLang tree, kvcached on or off and its layout).
 Rows with the same case, host layout and L3 setting form a group; the group's `native`
 row (SGLang 0.5.20 as released, kvcached off) is the oracle the others are compared to.
+A *shared-store* row (Mooncake only) is a pair of servers of one variant under one tag:
+a writer that serves pass 1 and the filler, and a reader, started while the writer still
+runs, that serves pass 2 from what the writer stored.
 """
 from __future__ import annotations
 
@@ -176,11 +179,12 @@ class Row:
     not_run: str = ""          # why the row is recorded without starting a server
     io_backend: str = "kernel"
     l3_store: str = "file"     # one of L3_STORES, for an L3 row
+    shared: bool = False       # an L3 row served by a writer and a reader sharing one tag
 
     @property
     def group(self) -> str:
         return (f"{self.case.name}/{self.host_layout}" + ("/direct" if self.io_backend == "direct" else "")
-                + ("/l3" if self.l3 else ""))
+                + ("/l3" if self.l3 else "") + ("-shared" if self.shared else ""))
 
     @property
     def key(self) -> str:
@@ -188,7 +192,8 @@ class Row:
 
 
 def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VARIANTS,
-               l3: str = "off", io_backends=IO_BACKENDS[:1], l3_store: str = "file") -> list[Row]:
+               l3: str = "off", io_backends=IO_BACKENDS[:1], l3_store: str = "file",
+               shared_store: bool = False) -> list[Row]:
     """Every server run of the comparison, natives first within each group.
 
     A pristine variant runs only where the pristine tree is known to get the pool wrong
@@ -197,7 +202,8 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
     With direct io, page_first becomes page_first_direct: kvcached layouts with strided
     views are expected to be refused by the series (native serves). L3 groups use the
     default host layout and kernel io, and `l3_store` (a case's no_l3 concerns the file
-    store only).
+    store only). `shared_store` adds, next to each L3 group, a group of writer/reader pairs
+    (native and the series' kvcached layouts) on the Mooncake store.
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -208,6 +214,9 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
         raise ValueError(f"--l3 must be one of {L3_MODES}, not {l3!r}")
     if l3_store not in L3_STORES:
         raise ValueError(f"--l3-store must be one of {L3_STORES}, not {l3_store!r}")
+    if shared_store and (l3_store != "mooncake" or l3 == "off"):
+        raise ValueError("--shared-store needs L3 rows on the Mooncake store (--l3 also|only --l3-store mooncake): "
+                         "SGLang's file store is one folder per server")
     bad = [h for h in host_layouts if h not in HOST_LAYOUTS]
     if bad:
         raise ValueError(f"unknown host layouts {bad}; choose from {HOST_LAYOUTS}")
@@ -219,10 +228,13 @@ def build_rows(cases: list[Case], host_layouts=HOST_LAYOUTS, variants=DEFAULT_VA
         groups = [] if l3 == "only" else [(h, False, io) for io in io_backends for h in host_layouts]
         if l3 != "off":
             groups.append((HOST_LAYOUTS[0], True, IO_BACKENDS[0]))
+        if shared_store:
+            groups.append((HOST_LAYOUTS[0], "shared", IO_BACKENDS[0]))
         refused = dict(case.refused_layouts)
         for host_layout, with_l3, io in groups:
             add = lambda variant, expect, refusal="", not_run="": rows.append(
-                Row(case, host_layout, with_l3, variant, expect, refusal, not_run, io, l3_store))
+                Row(case, host_layout, bool(with_l3), variant, expect, refusal, not_run, io, l3_store,
+                    with_l3 == "shared"))
             if with_l3 and case.no_l3 and l3_store == "file":
                 add(NATIVE, "match", not_run=case.no_l3)
                 continue
@@ -322,10 +334,10 @@ def store_tag(row: Row) -> str:
     return row.key.replace("/", "_")
 
 
-def server_args(row: Row, port: int, plan: Plan, extra_flags=(), store=None) -> list[str]:
+def server_args(row: Row, port: int, plan: Plan, extra_flags=(), store=None, tag: str | None = None) -> list[str]:
     """`sglang.launch_server` arguments: within a group identical for every variant but an
     L3 row's Mooncake tag. `store`: the run's master (mooncake_store.MooncakeMaster), which
-    a Mooncake L3 row needs."""
+    a Mooncake L3 row needs; `tag`: its extra_backend_tag (default: store_tag(row))."""
     args = ["--model-path", row.case.model, "--host", "127.0.0.1", "--port", str(port),
             "--tp-size", str(row.case.tp), *(["--pp-size", str(row.case.pp)] if row.case.pp > 1 else []),
             "--page-size", str(row.case.page_size or plan.page_size),
@@ -343,15 +355,16 @@ def server_args(row: Row, port: int, plan: Plan, extra_flags=(), store=None) -> 
             if store is None:
                 raise ValueError(f"{row.key}: a Mooncake L3 row needs the run's mooncake_master")
             args += ["--hicache-storage-backend-extra-config",
-                     json.dumps(store.extra_config(store_tag(row), MOONCAKE_SEGMENT_BYTES))]
+                     json.dumps(store.extra_config(tag or store_tag(row), MOONCAKE_SEGMENT_BYTES))]
     args += ["--skip-tokenizer-init", *row.case.extra_flags]
     if row.case.dummy:
         args += ["--load-format", "dummy"]
     return args + list(extra_flags)
 
 
-def server_env(row: Row, storage_dir: str | None = None) -> dict[str, str]:
-    """Environment of one server: kvcached off, or on with its layout and instance name."""
+def server_env(row: Row, storage_dir: str | None = None, role: str = "") -> dict[str, str]:
+    """Environment of one server: kvcached off, or on with its layout and instance name
+    (`role`: which server of a shared-store pair, both running at once)."""
     env: dict[str, str] = {}
     if row.variant.kvcached is None:
         env["ENABLE_KVCACHED"] = "false"
@@ -363,7 +376,7 @@ def server_env(row: Row, storage_dir: str | None = None) -> dict[str, str]:
             "KVCACHED_MAX_CACHED_TOKENS": "-1",
             "KVCACHED_CONTIGUOUS_LAYOUT": "true" if row.variant.kvcached == "contiguous" else "false",
             # one shared-memory namespace per server (servers may run side by side)
-            "KVCACHED_IPC_NAME": "e2e_" + row.key.replace("/", "_").replace(".", "-"),
+            "KVCACHED_IPC_NAME": "e2e_" + row.key.replace("/", "_").replace(".", "-") + (f"_{role}" if role else ""),
             **dict(row.case.kvcached_env),
         })
     if row.l3 and row.l3_store == "file":

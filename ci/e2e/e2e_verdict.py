@@ -4,6 +4,8 @@ A run (one row, see e2e_matrix) is recorded as a dict: its outcome ("served", "d
 "not ready"), the error line its log ends with, kvcached's allocation lines found in its
 log, timings, and the summarized responses of each pass. `verdict` turns a run and its
 group's native run into a result and a list of problems; a problem fails the comparison.
+A shared-store row's run is its writer's, with pass 2 from its reader, whose own record
+(log, tag, kvcached lines) is under `reader`; `shared_problems` judges what the pair adds.
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def native_problems(run: dict, l3: bool) -> list[str]:
     if run.get("kvcached_lines"):
         problems.append("native run logged kvcached allocations: kvcached was not off")
     hits = hit_totals(run)
-    if l3 and not hits["storage_tokens"]:
+    if l3 and not hits["storage_tokens"] and not run.get("shared"):   # a pair: shared_problems says it
         problems.append("native never hit the L3 store: the filler did not push the set out of host memory")
     if not l3 and not hits["host_tokens"]:
         problems.append("native never hit the host cache: the filler did not push the set out of the device")
@@ -143,6 +145,27 @@ def native_problems(run: dict, l3: bool) -> list[str]:
                                      for a in answers):
         problems.append("native reports no speculative decoding (no spec_verify_ct in any answer): "
                         "equal counts would prove nothing of the draft")
+    return problems
+
+
+def shared_problems(run: dict) -> list[str]:
+    """A served shared-store pair: its reader, which never saw pass 1, must have answered
+    from the store the writer filled under the same tag, and run as the writer did
+    (kvcached on or off, trained-scale weights)."""
+    if not run.get("shared") or run["outcome"] != "served":
+        return []
+    reader, problems = run.get("reader") or {}, []
+    if not hit_totals(run)["storage_tokens"]:
+        same = "the same tag" if reader.get("store_tag") == run.get("store_tag") else \
+            f"tag {reader.get('store_tag')!r}, the writer {run.get('store_tag')!r}"
+        problems.append(f"the reader ({same}) had no storage hit in pass 2: it did not answer from what "
+                        "the writer stored")
+    if bool(run.get("kvcached")) != bool(reader.get("kvcached_lines")):
+        problems.append("the reader's log " + ("has no kvcached allocation" if run.get("kvcached")
+                                               else "has kvcached allocations") + ", unlike its variant")
+    if run.get("dummy") and sorted(reader.get("weights_redrawn") or []) != sorted(run.get("weights_redrawn") or []):
+        problems.append(f"the reader's trained-scale plugin drew {reader.get('weights_redrawn')} tensors, "
+                        f"the writer {run.get('weights_redrawn')}")
     return problems
 
 
@@ -219,10 +242,11 @@ def judge(rows: list[dict], logprob_tol: float) -> list[str]:
             elif r["outcome"] == "skipped":
                 result, problems = f"not run: {r.get('reason', '')}", []
             else:
-                problems = native_problems(r, r["l3"])
+                problems = native_problems(r, r["l3"]) + shared_problems(r)
                 result = "oracle" if not problems else "native failed"
         else:
             result, problems = verdict(r["expect"], r, native, logprob_tol, r.get("refusal", ""))
+            problems = problems + shared_problems(r)
         if r.get("dummy") and r["outcome"] == "served":
             problems = problems + weights_problems(r, native)
         r["result"], r["problems"] = result, problems
@@ -241,7 +265,8 @@ def markdown_table(rows: list[dict]) -> str:
             r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""),
             r["kvcached"] or "off (native)", r["tree"],
             r["host_layout"] + (" (direct io)" if r.get("io_backend") == "direct" else ""),
-            r.get("l3_store", "file") if r["l3"] else "-", r["result"],
+            (r.get("l3_store", "file") + (" (shared: writer, reader)" if r.get("shared") else "")) if r["l3"] else "-",
+            r["result"],
             f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
             f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",
             f"{r['run_s']:.0f}" if r.get("run_s") is not None else "-",

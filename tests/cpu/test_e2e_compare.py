@@ -503,13 +503,16 @@ def test_patches_state_tracks_every_listed_patch(tmp_path):
 # A stand-in for `python -m sglang.launch_server`: answers /health_generate and /generate
 # like SGLang's server (greedy ids, top logprobs, cache details). A prompt seen before is a
 # host hit (a storage hit with --hicache-storage-backend: a file store's folder must exist, a
-# Mooncake master must accept its client; FAKE_HANG: /generate never answers); kvcached on logs its allocation
-# line; the pristine tree with kvcached on dies at its first hit, as 0.5.20 does at the
+# Mooncake master must accept its client; FAKE_HANG: /generate never answers); kvcached on
+# logs its allocation line. With FAKE_MOONCAKE_DIR a Mooncake client keeps what it stores in
+# a file of that folder (its segment) named by its tag, sees what every live client of its
+# tag stored, and removes its file when stopped, as a Mooncake client's objects go with its
+# segment. The pristine tree with kvcached on dies at its first hit, as 0.5.20 does at the
 # first backup; FAKE_SKEW makes kvcached answers differ. Where SGLang's plugin loader would
 # find the trained-scale weights plugin (its entry point on the path), it prints that
 # plugin's line, as a dummy-weight server does.
 FAKE_SERVER = textwrap.dedent('''
-    import argparse, importlib.metadata, json, os, socket, sys, time
+    import argparse, glob, importlib.metadata, json, os, signal, socket, sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
     import sglang
     if os.environ.get("FAKE_IMPORT"):  # as SGLang's DeepSeek and EAGLE paths import deep_gemm
@@ -531,6 +534,12 @@ FAKE_SERVER = textwrap.dedent('''
         print(f"Using Mooncake config prefix: {config['extra_backend_tag']}", flush=True)
     elif args.hicache_storage_backend and not (store and os.path.isdir(store)):
         sys.exit("RuntimeError: no storage directory")
+    segments = os.environ.get("FAKE_MOONCAKE_DIR") if args.hicache_storage_backend == "mooncake" else None
+    if segments:
+        tag = os.path.join(segments, config["extra_backend_tag"])
+        segment = f"{tag}.{os.getpid()}"
+        open(segment, "w").close()
+        signal.signal(signal.SIGTERM, lambda *a: (os.remove(segment), os._exit(0)))
     if elastic:
         print("[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: 4096", flush=True)
     plugins = importlib.metadata.entry_points(group="sglang.srt.plugins")
@@ -556,8 +565,13 @@ FAKE_SERVER = textwrap.dedent('''
             if os.environ.get("FAKE_HANG"):
                 time.sleep(120)
             ids = req["input_ids"]
-            hit = (len(ids) - 1) // args.page_size * args.page_size if tuple(ids) in seen else 0
+            key = json.dumps(ids)
+            stored = segments and any(key in open(f).read().splitlines() for f in glob.glob(tag + ".*"))
+            hit = (len(ids) - 1) // args.page_size * args.page_size if tuple(ids) in seen or stored else 0
             seen.add(tuple(ids))
+            if segments:
+                with open(segment, "a") as f:
+                    f.write(key + "\\n")
             if hit and elastic and not sglang.PATCHED:
                 print("AttributeError: 'ElasticMHATokenToKVPool' object has no attribute 'k_data_ptrs'", flush=True)
                 os._exit(1)
@@ -673,6 +687,81 @@ def test_runner_with_a_mooncake_store_starts_one_master_and_stops_it(fake_trees,
     assert all(parse(r["command"][3:]).hicache_storage_backend is None for r in report["rows"] if not r["l3"])
     assert {r["l3_store"] for r in l3} == {"mooncake"}
     assert "| mooncake |" in verdict.markdown_table(report["rows"])
+
+
+def shared_run(fake_trees, fake_master, tmp_path, monkeypatch, *more):
+    segments = tmp_path / "segments"
+    segments.mkdir()
+    monkeypatch.setenv("FAKE_MOONCAKE_DIR", str(segments))
+    out = tmp_path / "report.json"
+    code = e2e.main([*fake_trees, "--l3", "only", "--l3-store", "mooncake", "--shared-store", "--mooncake-master",
+                     str(fake_master[0]), "--out", str(out), *more])
+    report = json.loads(out.read_text())
+    assert not list(segments.iterdir())      # every client stopped: its segment went with it
+    return code, report, {r["key"]: r for r in report["rows"] if r["shared"]}
+
+
+def test_a_shared_store_reader_answers_from_what_its_writer_stored(fake_trees, fake_master, tmp_path, monkeypatch):
+    code, report, pairs = shared_run(fake_trees, fake_master, tmp_path, monkeypatch)
+    assert code == 0 and report["problems"] == []
+    assert set(pairs) == {f"qwen2-tiny/page_first/l3-shared/{v}"
+                          for v in ("native", "elastic-contiguous", "elastic-per-layer")}
+    assert {r["result"] for r in report["rows"] if not r["shared"]} <= {"oracle", "matches native"}
+    for key, row in pairs.items():
+        assert row["result"] == ("oracle" if key.endswith("native") else "matches native")
+        reader = row["reader"]
+        writer_flags, reader_flags = parse(row["command"][3:]), parse(reader["command"][3:])
+        tag = json.loads(writer_flags.hicache_storage_backend_extra_config)["extra_backend_tag"]
+        assert json.loads(reader_flags.hicache_storage_backend_extra_config)["extra_backend_tag"] == tag
+        assert row["store_tag"] == reader["store_tag"] == tag
+        if row["kvcached"]:   # both run at once: each its own kvcached instance
+            assert row["env"]["KVCACHED_IPC_NAME"] != reader["env"]["KVCACHED_IPC_NAME"]
+        assert reader_flags.port != writer_flags.port and row["log"] != reader["log"]
+        # the reader never saw pass 1: every hit of its pass 2 came from the store
+        assert verdict.hit_totals(row)["storage_tokens"] > 0 and verdict.hit_totals(row)["host_tokens"] == 0
+        assert bool(reader["kvcached_lines"]) == (row["kvcached"] is not None) and reader["weights_redrawn"] == [42]
+    assert "mooncake (shared: writer, reader)" in verdict.markdown_table(report["rows"])
+
+
+def test_a_reader_under_another_tag_sees_nothing_and_fails(fake_trees, fake_master, tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Runner, "store_tag",
+                        lambda self, row, role: e2e.matrix.store_tag(row) + ("-other" if role == "reader" else ""))
+    code, report, pairs = shared_run(fake_trees, fake_master, tmp_path, monkeypatch, "--variants", "native",
+                                     "elastic-contiguous")
+    assert code == 1
+    assert pairs["qwen2-tiny/page_first/l3-shared/native"]["result"] == "native failed"
+    # it equals its native pair (neither reader saw the store): the problem is its own
+    assert pairs["qwen2-tiny/page_first/l3-shared/elastic-contiguous"]["result"] == "matches native"
+    reason = "had no storage hit in pass 2: it did not answer from what the writer stored"
+    for key in pairs:
+        assert any(p.startswith(key + ": the reader (tag ") and "-other" in p and reason in p
+                   for p in report["problems"]), report["problems"]
+    # the L3 rows that share no store are untouched
+    assert all(not p.startswith("qwen2-tiny/page_first/l3/") for p in report["problems"])
+
+
+def test_a_shared_pairs_reader_must_run_as_its_writer_did():
+    pair = {**row_dict("elastic-contiguous", host=0, storage=448, l3=True, kvcached="contiguous"), "shared": True,
+            "dummy": True, "weights_redrawn": [42], "store_tag": "t"}
+    reader = {"store_tag": "t", "kvcached_lines": ["VirtualKV Cache is allocated"], "weights_redrawn": [42]}
+    assert verdict.shared_problems({**pair, "reader": reader}) == []
+    assert verdict.shared_problems({**pair, "reader": {**reader, "kvcached_lines": []}}) == [
+        "the reader's log has no kvcached allocation, unlike its variant"]
+    assert verdict.shared_problems({**pair, "kvcached": None, "reader": reader}) == [
+        "the reader's log has kvcached allocations, unlike its variant"]
+    assert verdict.shared_problems({**pair, "reader": {**reader, "weights_redrawn": []}}) == [
+        "the reader's trained-scale plugin drew [] tensors, the writer [42]"]
+    cold = {**row_dict("elastic-contiguous", host=0, storage=0, l3=True, kvcached="contiguous"), "shared": True,
+            "store_tag": "t"}
+    assert verdict.shared_problems({**cold, "reader": reader}) == [
+        "the reader (the same tag) had no storage hit in pass 2: it did not answer from what the writer stored"]
+    assert verdict.shared_problems({**cold, "shared": False, "reader": reader}) == []
+
+
+def test_a_shared_store_needs_mooncake_l3_rows(fake_trees, tmp_path):
+    for more in (["--l3", "only"], ["--l3-store", "mooncake"]):
+        with pytest.raises(SystemExit, match="--shared-store needs L3 rows on the Mooncake store"):
+            e2e.main([*fake_trees, *more, "--shared-store", "--out", str(tmp_path / "r.json")])
 
 
 def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_master, tmp_path):

@@ -237,29 +237,38 @@ class _StridedDeviceRowsCase(CustomTestCase):
                 )
 
     def test_a_refused_pool_unpins_the_host_buffers_it_pinned(self):
-        # The refusal comes after __init__ pinned the host buffers; left pinned, the
+        # The refusals come after __init__ pinned the host buffers; left pinned, the
         # registration outlives the freed memory and the next host pool allocated
         # there cannot pin it (cudaErrorHostMemoryAlreadyRegistered).
-        pinned, registrations = {}, []
+        module = mla_pool_host if self.mla else mha_pool_host
+        cls = module.MLATokenToKVPoolHost if self.mla else module.MHATokenToKVPoolHost
+        refusals = [
+            ("page_first_direct", True, "page_first_direct has no copy path"),
+            ("layer_first", False, "JIT HiCache kernel, which is unavailable"),
+        ]
+        for layout, jit, message in refusals:
+            with self.subTest(layout=layout, jit=jit):
+                pinned, registrations = {}, []
 
-        def register(buffer, registration_granularity_bytes=None):
-            registrations.append(buffer.data_ptr())
-            pinned[buffer.data_ptr()] = buffer
+                def register(buffer, registration_granularity_bytes=None):
+                    registrations.append(buffer.data_ptr())
+                    pinned[buffer.data_ptr()] = buffer
 
-        def unregister(buffer):
-            del pinned[buffer.data_ptr()]
+                def unregister(buffer):
+                    del pinned[buffer.data_ptr()]
 
-        cls = mla_pool_host.MLATokenToKVPoolHost if self.mla else mha_pool_host.MHATokenToKVPoolHost
-        with mock.patch.object(common_pool_host, "_cuda_host_register", register), mock.patch.object(
-            base_pool_host, "_cuda_host_unregister", unregister
-        ), mock.patch.object(base_pool_host, "_is_cuda", True):
-            with self.assertRaisesRegex(ValueError, "page_first_direct has no copy path"):
-                cls(
-                    (_mla_device_pool if self.mla else _mha_device_pool)(True),
-                    2.0, 0, PAGE, "page_first_direct", pin_memory=True, device="cpu",
-                )
-        self.assertTrue(registrations)
-        self.assertEqual(pinned, {})
+                with mock.patch.object(common_pool_host, "_cuda_host_register", register), mock.patch.object(
+                    base_pool_host, "_cuda_host_unregister", unregister
+                ), mock.patch.object(base_pool_host, "_is_cuda", True), mock.patch.object(
+                    module, "can_use_hicache_jit_kernel", return_value=jit
+                ), mock.patch.object(module, "_is_cuda", True):
+                    with self.assertRaisesRegex(ValueError, message):
+                        cls(
+                            (_mla_device_pool if self.mla else _mha_device_pool)(True),
+                            2.0, 0, PAGE, layout, pin_memory=True, device="cpu",
+                        )
+                self.assertTrue(registrations)
+                self.assertEqual(pinned, {})
 
     def _kinds_stride(self):
         row = KV_DIM * 2 if self.mla else HEADS * HEAD_DIM * 2

@@ -3,10 +3,13 @@
 One `Server` is one `python -m sglang.launch_server` process group (it leads its own
 session, so a stop reaches every process it started: scheduler, detokenizer, TP ranks):
   start()       Popen with stdout and stderr to its log file (appended: a restart keeps
-                what the earlier process wrote), in the environment it was given;
+                what the earlier process wrote), in the environment it was given; not
+                where another process already listens on its port, which would answer
+                in its place;
   wait_ready()  polls GET /health_generate (SGLang answers it once a generation ran)
                 until it answers, the process exits ("died at startup") or the timeout
-                passes ("not ready");
+                passes ("not ready"); "not started: port N ..." where start() found the
+                port taken;
   post()        a JSON request to it;
   stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once.
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
@@ -93,6 +96,18 @@ def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
     raise RuntimeError(f"no free block of {span} ports outside the ephemeral range {low}-{high} in 200 tries")
 
 
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a process listens on the port (SO_REUSEADDR: a closed server's TIME_WAIT
+    connections do not count, as they do not stop the next server from binding)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
                    gpus: list[str], mounts: tuple[str, ...] = ()) -> list[str]:
     """The command that starts one server: in a container (docker) or on this host (local)."""
@@ -163,13 +178,22 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen | None = None
         self.starts = 0
+        self.taken = ""     # why start() did not start it
 
-    def start(self, banner: str = "") -> subprocess.Popen:
+    def start(self, banner: str = "") -> subprocess.Popen | None:
         self.starts += 1
         with open(self.log, "a") as handle:
             if banner:
                 handle.write(banner + "\n")
                 handle.flush()
+            # Polling a port another server listens on would take its answers for this
+            # one's: two runs given the same ports would compare each other's servers.
+            if listening(self.port):
+                self.taken = f"not started: port {self.port} already has a listener (another server?)"
+                self.process = None
+                handle.write(self.taken + "\n")
+                return None
+            self.taken = ""
             self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT,
                                             env=self.process_env, start_new_session=True)
         return self.process
@@ -179,6 +203,8 @@ class Server:
 
     def wait_ready(self, timeout: float, poll: float = 1.0) -> str:
         """'' once the server answers a generation; else why not ('died at startup', 'not ready')."""
+        if self.taken:
+            return self.taken
         deadline = time.time() + timeout
         while time.time() < deadline:
             if not self.running():

@@ -119,6 +119,29 @@ def test_death_before_ready_is_told_at_once_with_its_log(tree, tmp_path):
     server.stop()                                          # a stop of an exited server is harmless
 
 
+def test_a_port_another_server_listens_on_is_not_polled_and_a_stopped_ones_port_is_reused(tree, tmp_path):
+    # two runs given the same ports: the second's server must not take the first's answers
+    first = stand_in(tree, tmp_path, "first")
+    first.start()
+    try:
+        assert first.wait_ready(timeout=60, poll=0.2) == ""
+        second = servers.Server(first.command, first.port, tmp_path / "second.log", {}, first.process_env)
+        assert second.start() is None and not second.running()
+        why = second.wait_ready(timeout=60, poll=0.2)
+        assert why == f"not started: port {first.port} already has a listener (another server?)"
+        assert why in second.log_text()
+    finally:
+        first.stop(grace=10)
+    # once the first is stopped its port serves the next server (its TIME_WAIT connections
+    # do not count as a listener)
+    third = servers.Server(first.command, first.port, tmp_path / "third.log", {}, first.process_env)
+    third.start()
+    try:
+        assert third.wait_ready(timeout=60, poll=0.2) == ""
+    finally:
+        third.stop(grace=10)
+
+
 def test_a_server_that_never_answers_is_not_ready_after_the_timeout(tree, tmp_path):
     server = stand_in(tree, tmp_path, FAKE_READY_AFTER="600")
     server.start()

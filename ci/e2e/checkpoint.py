@@ -24,6 +24,7 @@ one line rather than converted wrongly.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -387,15 +389,26 @@ def chat_requests(path: Path) -> list[dict]:
     return requests
 
 
+_TOKENIZED: dict[tuple[str, str], list[dict]] = {}
+_TOKENIZED_LOCK = threading.Lock()
+
+
 def tokenized_requests(path: Path, tokenizer_dir: Path) -> list[dict]:
-    """Each request's chat-templated text and its token ids (for /generate's input_ids)."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    out = []
-    for r in chat_requests(path):
-        text = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
-        out.append({**r, "text": text, "input_ids": tokenizer.encode(text, add_special_tokens=False)})
-    return out
+    """Each request's chat-templated text and its token ids (for /generate's input_ids).
+    Made once per prompts file and tokenizer, under a lock: the server comparison's rows
+    call it from their threads side by side, and a first import of transformers in several
+    threads at once fails in some of them (ImportError: cannot import name 'AutoTokenizer')."""
+    key = (str(Path(path).resolve()), str(Path(tokenizer_dir).resolve()))
+    with _TOKENIZED_LOCK:
+        if key not in _TOKENIZED:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            out = []
+            for r in chat_requests(path):
+                text = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
+                out.append({**r, "text": text, "input_ids": tokenizer.encode(text, add_special_tokens=False)})
+            _TOKENIZED[key] = out
+        return copy.deepcopy(_TOKENIZED[key])
 
 
 # --- answer ---------------------------------------------------------------------------

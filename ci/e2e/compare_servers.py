@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -79,6 +80,7 @@ class Runner:
         self.opts, self.plan = opts, plan
         self.gpus = [g for g in opts.gpus.split(",") if g]
         self.slots = list(range(opts.jobs))
+        self.port = opts.port or servers.free_port_block(opts.jobs)   # slot n: port + 10 n
         self.lock = threading.Lock()
         self.started = time.time()
         self.logs = Path(opts.logs or Path(opts.out).with_suffix("").as_posix() + "-logs")
@@ -141,6 +143,10 @@ class Runner:
             slot = self.slots.pop(0)
         try:
             result = {**rec, **self.serve(row, slot)}
+        except Exception as exc:  # a defect of the harness in one row must not lose the other rows
+            result = {**rec, "outcome": "harness error", "error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: harness error\n"
+                  + traceback.format_exc(), end="", flush=True)
         finally:
             with self.lock:
                 self.slots.append(slot)
@@ -149,7 +155,7 @@ class Runner:
         return result
 
     def serve(self, row: matrix.Row, slot: int) -> dict:
-        port = self.opts.port + 10 * slot
+        port = self.port + 10 * slot
         gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
         if row.shared:
             return self.serve_pair(row, port, gpus)
@@ -342,7 +348,7 @@ def options(argv=None):
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="more server environment")
     ap.add_argument("--gpus", default="0", help="GPU ids; a row of TP n takes n of them")
     ap.add_argument("--jobs", type=int, default=1, help="servers running at once (they share the GPUs)")
-    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--port", type=int, help="first port, 10 a server slot (default: a free block)")
     ap.add_argument("--logprob-tol", type=float, default=0.0)
     ap.add_argument("--ready-timeout", type=float, default=1800)
     ap.add_argument("--request-timeout", type=float, default=600)
@@ -363,6 +369,8 @@ def main(argv=None) -> int:
     opts = options(argv)
     if opts.table:
         for path in opts.table:
+            if not Path(path).is_file():
+                raise SystemExit(f"error: {path}: no such report (a report.json[.gz] or its .rows.jsonl journal)")
             print(judge.markdown_table(read_rows(Path(path), opts.logprob_tol)))
         return 0
     try:

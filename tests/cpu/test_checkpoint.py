@@ -336,3 +336,50 @@ def test_a_malformed_prompt_file_is_refused_in_one_line(tmp_path):
         {"name": "a", "passage": "p", "questions": ["q"]}, {"name": "a", "passage": "r", "questions": ["q"]}]}))
     with pytest.raises(checkpoint.ConvertError, match="used twice"):
         checkpoint.chat_requests(tmp_path / "p.json")
+
+
+def test_rows_side_by_side_tokenize_the_prompts_once_and_each_gets_its_own_copy(tmp_path, monkeypatch):
+    # The server comparison's rows call tokenized_requests from their threads at once; a
+    # first import of transformers in several threads together fails in some of them, so
+    # the tokenizer is loaded once, under a lock. Its stand-in here is slow to load.
+    import threading
+    import time
+    import types
+    loads = []
+
+    class SlowTokenizer:
+        @classmethod
+        def from_pretrained(cls, folder):
+            loads.append(folder)
+            time.sleep(0.3)
+            return cls()
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "|".join(m["content"] for m in messages) + "|assistant:"
+
+        def encode(self, text, add_special_tokens):
+            return [len(word) for word in text.split()]
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=SlowTokenizer))
+    monkeypatch.setattr(checkpoint, "_TOKENIZED", {})
+    prompts = ROOT / "ci" / "e2e" / "prompts" / "smollm2-chat.json"
+    got, errors = [], []
+
+    def row():
+        try:
+            got.append(checkpoint.tokenized_requests(prompts, tmp_path))
+        except Exception as exc:  # noqa: BLE001 - what a row's thread would have died of
+            errors.append(exc)
+
+    threads = [threading.Thread(target=row) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and loads == [tmp_path]
+    expect = checkpoint.chat_requests(prompts)
+    assert len(got) == 6 and all(len(g) == len(expect) for g in got)
+    assert all(g == got[0] for g in got)
+    assert got[0][0]["input_ids"] and got[0][0]["text"].endswith("|assistant:")
+    got[0][0]["input_ids"].append(-1)            # one row's copy, not the others'
+    assert got[1][0]["input_ids"][-1] != -1

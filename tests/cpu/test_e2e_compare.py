@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -646,6 +647,44 @@ def test_runner_fails_when_kvcached_answers_differ(fake_trees, tmp_path):
     problems = json.loads(out.read_text())["problems"]
     assert problems and all(p.startswith("qwen2-tiny/page_first/elastic-contiguous: ") for p in problems)
     assert any("greedy tokens differ" in p for p in problems)
+
+
+def test_a_row_the_harness_fails_on_is_recorded_and_the_other_rows_are_kept(fake_trees, tmp_path, monkeypatch):
+    serve = e2e.Runner.traffic
+
+    def broken(self, server, row, *parts):
+        if row.variant.name == "elastic-contiguous":
+            raise ImportError("cannot import name 'AutoTokenizer' from 'transformers'")
+        return serve(self, server, row, *parts)
+
+    monkeypatch.setattr(e2e.Runner, "traffic", broken)
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "elastic-per-layer",
+                     "--out", str(out)]) == 1
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    bad = rows["qwen2-tiny/page_first/elastic-contiguous"]
+    assert bad["outcome"] == "harness error" and "ImportError: cannot import name 'AutoTokenizer'" in bad["error"]
+    assert rows["qwen2-tiny/page_first/elastic-per-layer"]["result"] == "matches native"
+    assert len(out.with_suffix(".rows.jsonl").read_text().splitlines()) == 3
+
+
+def test_ports_another_run_listens_on_are_not_taken_for_this_runs_servers(fake_trees, tmp_path):
+    # a second run given the first's ports: its rows must not be answered by the first's servers
+    port = int(fake_trees[fake_trees.index("--port") + 1])
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        out = tmp_path / "report.json"
+        assert e2e.main([*fake_trees, "--variants", "native", "elastic-contiguous", "--jobs", "1",
+                         "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["outcome"] for r in rows] == [f"not started: port {port} already has a listener (another server?)"] * 2
+    assert all("passes" not in r for r in rows)
+
+
+def test_a_report_that_is_not_there_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: .*missing\.json: no such report"):
+        e2e.main(["--table", str(tmp_path / "missing.json")])
 
 
 @pytest.fixture

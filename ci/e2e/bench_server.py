@@ -17,8 +17,9 @@ GPU (CUDA graphs as SGLang captures them by default), from the trees the compari
 Every server caps its device pool (--max-total-tokens, --device-tokens) below the working
 set, so that most prefix hits come back from host, and gets a host pool that holds the
 working set (--hicache-ratio, by default the smallest that does, with a fifth to spare).
-Then, round after round, each variant is benchmarked once, the order rotated each round
-(A B C D, B C D A, ...): `python -m sglang.bench_serving --dataset-name
+Then, after --warmup-rounds left out of the ratios (the first runs after the servers start
+pay one-off costs), round after round, each variant is benchmarked once, the order rotated
+each round (A B C D, B C D A, ...): `python -m sglang.bench_serving --dataset-name
 generated-shared-prefix` (groups of prompts sharing a system prompt; with --turns T > 1
 multi-turn conversations over the chat endpoint, `--gsp-num-turns T`), `--cache-report`
 (device and host hit tokens), `--flush-cache` after its warm-up request (every run starts
@@ -332,6 +333,9 @@ def problems_of(report: dict) -> list[str]:
                            f"{len(srv.get('kvcached_lines') or [])} kvcached allocation lines")
         for name, w in s["workloads"].items():
             want = w["answers"]
+            for r in w.get("warmup", []):
+                if r.get("error"):
+                    out.append(f"{shape}/{name} warm-up {r['round'] + 1} {r['variant']}: {r['error']}")
             for r in w["runs"]:
                 where = f"{shape}/{name} round {r['round'] + 1} {r['variant']}"
                 if r.get("error"):
@@ -355,8 +359,8 @@ def render(report: dict) -> str:
     versions = (report.get("environment") or {}).get("versions")
     sglang = versions.get("sglang") if isinstance(versions, dict) else None
     lines = [f"# Server benchmark: kvcached vs native SGLang{' ' + sglang if sglang else ''}, HiCache on", "",
-             f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds, "
-             f"each variant once a round, the order rotated; every variant's value divided by native's of the same "
+             f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds "
+             f"after {c.get('warmup_rounds', 0)} not counted (warm-up), each variant once a round, the order rotated; every variant's value divided by native's of the same "
              f"round: median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
              f"Device pool {c['sizes']['device_tokens']} tokens; {c['sizes']['groups']} groups x "
              f"{c['sizes']['prompts_per_group']} prompts, system prompt {c['sizes']['system_prompt_len']}, question "
@@ -453,7 +457,7 @@ class Bench:
         self.started = time.time()
         self.report = {
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:],
-            "config": {"variants": opts.variants, "rounds": opts.rounds, "turns": opts.turns, "seed": opts.seed,
+            "config": {"variants": opts.variants, "rounds": opts.rounds, "warmup_rounds": opts.warmup_rounds, "turns": opts.turns, "seed": opts.seed,
                        "sizes": asdict(self.sizes), "mem_fraction_static": opts.mem_fraction_static,
                        "kvcached_max_cached_tokens": opts.kvcached_max_cached_tokens,
                        "server_flags": self.extra_flags, "env": self.extra_env, "gpu": opts.gpu,
@@ -529,23 +533,25 @@ class Bench:
         self.log(f"{shape.name}: " + ", ".join(f"{n} {why[n] or 'ready'}" for n in fleet.members))
         return fleet
 
-    def bench_once(self, fleet: ShapeServers, variant: str, rnd: int, position: int, turns: int) -> dict:
+    def bench_once(self, fleet: ShapeServers, variant: str, rnd: int, position: int, turns: int,
+                   label: str = "") -> dict:
         o, name = self.opts, workload(turns)
+        label = label or f"r{rnd + 1}"
         server = fleet.members[variant]
         raw = self.out / "raw" / fleet.shape.name / name
         logs = self.out / "logs" / fleet.shape.name / name
         raw.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)
-        out_file = raw / f"r{rnd + 1}-{variant}.jsonl"
+        out_file = raw / f"{label}-{variant}.jsonl"
         out_file.unlink(missing_ok=True)
         command = [*self.client, *client_args(self.sizes, turns, server.base, fleet.model, out_file, o.seed,
-                                              f"{fleet.shape.name}/{name}/r{rnd + 1}/{variant}")]
+                                              f"{fleet.shape.name}/{name}/{label}/{variant}")]
         rec = {"round": rnd, "position": position, "variant": variant, "port": server.port, "raw": str(out_file),
                "metrics": {}}
         if not server.running():
             return {**rec, "error": "the server is not running"}
         began = time.time()
-        log = logs / f"r{rnd + 1}-{variant}.client.log"
+        log = logs / f"{label}-{variant}.client.log"
         with open(log, "w") as handle:
             client = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=self.client_env(fleet),
                                       start_new_session=True)
@@ -592,7 +598,24 @@ class Bench:
             for turns in o.turns:
                 record["workloads"][workload(turns)] = {"turns": turns, "answers": self.sizes.answers(turns),
                                                         "working_set": self.sizes.working_set(turns), "runs": [],
-                                                        "summary": {}}
+                                                        "warmup": [], "summary": {}}
+            # Warm-up rounds first, left out of the ratios: the first client runs after the
+            # servers start pay one-off costs (Triton compiling for new shapes, into a cache the
+            # servers share), which would fall on whichever variant runs first.
+            for rnd, order in enumerate(round_orders(o.variants, o.warmup_rounds)):
+                for turns in o.turns:
+                    w = record["workloads"][workload(turns)]
+                    for position, variant in enumerate(order):
+                        if o.deadline is not None and time.time() - self.started > o.deadline:
+                            rec = {"round": rnd, "position": position, "variant": variant, "metrics": {},
+                                   "error": f"not run: --deadline {o.deadline:.0f} s had passed"}
+                        else:
+                            rec = self.bench_once(fleet, variant, rnd, position, turns, label=f"w{rnd + 1}")
+                        w["warmup"].append(rec)
+                        self.save()
+                        self.log(f"{shape.name} {workload(turns)} warm-up {rnd + 1} {variant}: "
+                                 + (rec["error"] if rec.get("error") else
+                                    f"{fmt(rec['metrics'].get('request_throughput'), 2)} req/s (not counted)"))
             for rnd, order in enumerate(round_orders(o.variants, o.rounds)):
                 for turns in o.turns:
                     w = record["workloads"][workload(turns)]
@@ -663,6 +686,9 @@ def options(argv=None):
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="native is the baseline: always among them")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant once (3 at least for a spread)")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds of every variant once before those, left out of the ratios (the first runs "
+                         "after the servers start pay one-off costs)")
     ap.add_argument("--turns", nargs="+", type=int, default=[1],
                     help="one workload each: 1 shared-prefix prompts, T > 1 conversations of T turns")
     ap.add_argument("--groups", type=int, default=sizes.groups, help="--gsp-num-groups")
@@ -698,8 +724,8 @@ def options(argv=None):
         return opts
     if BASELINE not in opts.variants or len(set(opts.variants)) != len(opts.variants):
         ap.error("--variants must name native (the baseline) and each variant once")
-    if opts.rounds < 1 or min(opts.turns) < 1 or len(set(opts.turns)) != len(opts.turns):
-        ap.error("--rounds must be at least 1 and --turns distinct counts of at least 1")
+    if opts.rounds < 1 or opts.warmup_rounds < 0 or min(opts.turns) < 1 or len(set(opts.turns)) != len(opts.turns):
+        ap.error("--rounds must be at least 1, --warmup-rounds at least 0 and --turns distinct counts of at least 1")
     sizes = Sizes(opts.groups, opts.prompts_per_group, opts.system_prompt_len, opts.question_len, opts.output_len,
                   opts.concurrency, opts.device_tokens)
     if min(asdict(sizes).values()) < 1:

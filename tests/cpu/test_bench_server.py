@@ -54,12 +54,12 @@ def fake_client() -> list[str]:
     return ["--bench-client", f"{sys.executable} {SUPPORT / 'bench_fake_client.py'}"]
 
 
-def expected(variant: str, rnd: int) -> float:
+def expected(variant: str, rnd: int, warmups: int = 1) -> float:
     """The stand-in client's request throughput of a variant's run in round rnd (0-based):
-    each server serves one run a round."""
+    each server serves one run a round, after its warm-up runs (default --warmup-rounds 1)."""
     from bench_fake_client import SPEEDS
     speed, drift = SPEEDS[IDENTITY[variant]]
-    return speed * (1 + drift * rnd)
+    return speed * (1 + drift * (rnd + warmups))
 
 
 def test_ratios_spread_and_report_against_stand_in_servers(trees, tmp_path, capsys):
@@ -94,7 +94,8 @@ def test_ratios_spread_and_report_against_stand_in_servers(trees, tmp_path, caps
         host = 600 if IDENTITY[v][1] else 0
         assert (cache["device_tokens"], cache["host_tokens"]) == (3 * (800 - host), 3 * host)
         assert cache["host_share"] == pytest.approx(host / 800)
-    # contiguous: 0.99 in round 1, below 0.98 later; per-layer 0.9 every round
+    # contiguous: 0.99 in round 1 (1.03 in the warm-up, not counted), below 0.98 later; per-layer
+    # about 0.9 every round
     targets = {v: w["summary"][v].get("targets") for v in VARIANTS}
     assert targets["kvcached-contiguous"]["request_throughput"] == "within spread"
     assert targets["kvcached-per-layer"] == dict.fromkeys(bench.TARGETS, "short")
@@ -108,14 +109,21 @@ def test_ratios_spread_and_report_against_stand_in_servers(trees, tmp_path, caps
     capsys.readouterr()
     assert bench.main(["--render", str(out / "report.json")]) == 0
     assert capsys.readouterr().out == summary
+    # the warm-up round ran first, every variant once, at the speeds of a server's first run,
+    # and none of it is in the ratios above
+    assert [(r["variant"], r["position"]) for r in w["warmup"]] == [(v, i) for i, v in enumerate(VARIANTS)]
+    assert [r["metrics"]["request_throughput"] for r in w["warmup"]] == pytest.approx(
+        [expected(v, -1) for v in VARIANTS])
     # the client's own result lines are kept, one a run
-    assert len(list((out / "raw" / "llama3-8b" / "shared-prefix").glob("*.jsonl"))) == 12
+    assert len(list((out / "raw" / "llama3-8b" / "shared-prefix").glob("r*.jsonl"))) == 12
+    assert len(list((out / "raw" / "llama3-8b" / "shared-prefix").glob("w1-*.jsonl"))) == 4
 
 
 def test_a_failed_client_or_a_dead_server_is_a_problem_and_the_rest_is_kept(trees, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CLIENT_FAIL_ON", "contiguous")
     out = tmp_path / "run"
-    args = [*trees, *SMALL, *fake_client(), "--out", str(out), "--env", "FAKE_DIE_LAYOUT=per-layer"]
+    args = [*trees, *SMALL, *fake_client(), "--out", str(out), "--env", "FAKE_DIE_LAYOUT=per-layer",
+            "--warmup-rounds", "0"]
     assert bench.main(args) == 1
     report = json.loads((out / "report.json").read_text())
     problems = report["problems"]
@@ -128,7 +136,7 @@ def test_a_failed_client_or_a_dead_server_is_a_problem_and_the_rest_is_kept(tree
     per_layer = w["summary"]["kvcached-per-layer"]["metrics"]["request_throughput"]
     assert per_layer["ratios"][0] == pytest.approx(0.9) and per_layer["ratios"][1:] == [None, None]
     assert w["summary"]["native-no-hicache"]["metrics"]["request_throughput"]["ratios"] == pytest.approx(
-        [expected("native-no-hicache", r) / expected("native", r) for r in range(3)])
+        [expected("native-no-hicache", r, 0) / expected("native", r, 0) for r in range(3)])
     assert "## Problems" in (out / "summary.md").read_text()
 
 
@@ -137,7 +145,9 @@ def test_runs_past_the_deadline_are_not_run_and_say_so(trees, tmp_path):
     assert bench.main([*trees, *SMALL, *fake_client(), "--out", str(out), "--deadline", "0"]) == 1
     report = json.loads((out / "report.json").read_text())
     runs = report["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["runs"]
-    assert len(runs) == 12 and all(r["error"] == "not run: --deadline 0 s had passed" for r in runs)
+    warmup = report["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["warmup"]
+    assert len(runs) == 12 and all(r["error"] == "not run: --deadline 0 s had passed" for r in runs + warmup)
+    assert len(warmup) == 4
     assert not list((out / "raw").rglob("*.jsonl"))
 
 

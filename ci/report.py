@@ -81,8 +81,13 @@ def first(folder: Path, *names: str) -> Path:
     return next(folder / n for n in names if (folder / n).is_file())
 
 
+def e2e_reports(folder: Path) -> list[Path]:
+    """A run's reports, else its journal (a run stopped before it wrote its report)."""
+    return sorted(folder.glob("*report.json*")) or sorted(folder.glob("*report.rows.jsonl*"))
+
+
 def e2e(folder: Path) -> str:
-    reports = sorted(folder.glob("*report.json*"))
+    reports = e2e_reports(folder)
     return "\n\n".join(tool("ci/e2e/compare_servers.py", "--table", str(r)) for r in reports)
 
 
@@ -120,7 +125,7 @@ def render() -> str:
            "edit. Each run's README says the command, the machine, the versions and the series.",
            ""]
     out += section("Server matrix: native vs kvcached (`ci/e2e/compare_servers.py`)",
-                   folders(RUNS / "e2e"), e2e, lambda p: any(p.glob("*report.json*")))
+                   folders(RUNS / "e2e"), e2e, e2e_reports)
     out += section("Server benchmark: SGLang's bench_serving (`make bench-server`)",
                    folders(BENCH, lambda p: (p / "report.json").is_file()),
                    lambda f: demoted(tool("ci/e2e/bench_server.py", "--render", str(f / "report.json"))))

@@ -360,8 +360,9 @@ def render(report: dict) -> str:
     sglang = versions.get("sglang") if isinstance(versions, dict) else None
     lines = [f"# Server benchmark: kvcached vs native SGLang{' ' + sglang if sglang else ''}, HiCache on", "",
              f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds "
-             f"after {c.get('warmup_rounds', 0)} not counted (warm-up), each variant once a round, the order rotated; every variant's value divided by native's of the same "
-             f"round: median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
+             f"after {c.get('warmup_rounds', 0)} not counted (warm-up), each variant once a round, the order "
+             f"rotated; every variant's value divided by native's of the same round: median ratio (min-max "
+             f"over rounds). Throughput: higher is better; TTFT and ITL: lower. "
              f"Device pool {c['sizes']['device_tokens']} tokens; {c['sizes']['groups']} groups x "
              f"{c['sizes']['prompts_per_group']} prompts, system prompt {c['sizes']['system_prompt_len']}, question "
              f"{c['sizes']['question_len']}, output {c['sizes']['output_len']} tokens, {c['sizes']['concurrency']} "
@@ -457,7 +458,8 @@ class Bench:
         self.started = time.time()
         self.report = {
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:],
-            "config": {"variants": opts.variants, "rounds": opts.rounds, "warmup_rounds": opts.warmup_rounds, "turns": opts.turns, "seed": opts.seed,
+            "config": {"variants": opts.variants, "rounds": opts.rounds, "warmup_rounds": opts.warmup_rounds,
+                       "turns": opts.turns, "seed": opts.seed,
                        "sizes": asdict(self.sizes), "mem_fraction_static": opts.mem_fraction_static,
                        "kvcached_max_cached_tokens": opts.kvcached_max_cached_tokens,
                        "server_flags": self.extra_flags, "env": self.extra_env, "gpu": opts.gpu,
@@ -534,9 +536,8 @@ class Bench:
         return fleet
 
     def bench_once(self, fleet: ShapeServers, variant: str, rnd: int, position: int, turns: int,
-                   label: str = "") -> dict:
+                   label: str) -> dict:
         o, name = self.opts, workload(turns)
-        label = label or f"r{rnd + 1}"
         server = fleet.members[variant]
         raw = self.out / "raw" / fleet.shape.name / name
         logs = self.out / "logs" / fleet.shape.name / name
@@ -602,39 +603,34 @@ class Bench:
             # Warm-up rounds first, left out of the ratios: the first client runs after the
             # servers start pay one-off costs (Triton compiling for new shapes, into a cache the
             # servers share), which would fall on whichever variant runs first.
-            for rnd, order in enumerate(round_orders(o.variants, o.warmup_rounds)):
-                for turns in o.turns:
-                    w = record["workloads"][workload(turns)]
-                    for position, variant in enumerate(order):
-                        if o.deadline is not None and time.time() - self.started > o.deadline:
-                            rec = {"round": rnd, "position": position, "variant": variant, "metrics": {},
-                                   "error": f"not run: --deadline {o.deadline:.0f} s had passed"}
-                        else:
-                            rec = self.bench_once(fleet, variant, rnd, position, turns, label=f"w{rnd + 1}")
-                        w["warmup"].append(rec)
-                        self.save()
-                        self.log(f"{shape.name} {workload(turns)} warm-up {rnd + 1} {variant}: "
-                                 + (rec["error"] if rec.get("error") else
-                                    f"{fmt(rec['metrics'].get('request_throughput'), 2)} req/s (not counted)"))
-            for rnd, order in enumerate(round_orders(o.variants, o.rounds)):
-                for turns in o.turns:
-                    w = record["workloads"][workload(turns)]
-                    for position, variant in enumerate(order):
-                        if o.deadline is not None and time.time() - self.started > o.deadline:
-                            rec = {"round": rnd, "position": position, "variant": variant, "metrics": {},
-                                   "error": f"not run: --deadline {o.deadline:.0f} s had passed"}
-                        else:
-                            rec = self.bench_once(fleet, variant, rnd, position, turns)
-                        w["runs"].append(rec)
-                        w["summary"] = summarize(w["runs"], o.variants)
-                        self.save()
-                        m = rec["metrics"]
-                        self.log(f"{shape.name} {workload(turns)} round {rnd + 1} {variant}: "
-                                 + (rec["error"] if rec.get("error") else
-                                    f"{fmt(m.get('request_throughput'), 2)} req/s, TTFT p50 "
-                                    f"{fmt(m.get('median_ttft_ms'), 1)} ms"))
+            for warmup, rounds in ((True, o.warmup_rounds), (False, o.rounds)):
+                for rnd, order in enumerate(round_orders(o.variants, rounds)):
+                    for turns in o.turns:
+                        self.run_round(fleet, record["workloads"][workload(turns)], rnd, order, turns, warmup)
         finally:
             self.stop(fleet)
+
+    def run_round(self, fleet: ShapeServers, w: dict, rnd: int, order: list[str], turns: int,
+                  warmup: bool) -> None:
+        """Every variant once, in ``order``; a warm-up round's runs go to w["warmup"], the
+        others to w["runs"] and the summary."""
+        o, name = self.opts, fleet.shape.name
+        for position, variant in enumerate(order):
+            if o.deadline is not None and time.time() - self.started > o.deadline:
+                rec = {"round": rnd, "position": position, "variant": variant, "metrics": {},
+                       "error": f"not run: --deadline {o.deadline:.0f} s had passed"}
+            else:
+                label = f"{'w' if warmup else 'r'}{rnd + 1}"
+                rec = self.bench_once(fleet, variant, rnd, position, turns, label)
+            w["warmup" if warmup else "runs"].append(rec)
+            if not warmup:
+                w["summary"] = summarize(w["runs"], o.variants)
+            self.save()
+            m = rec["metrics"]
+            self.log(f"{name} {workload(turns)} {'warm-up' if warmup else 'round'} {rnd + 1} {variant}: "
+                     + (rec["error"] if rec.get("error") else
+                        f"{fmt(m.get('request_throughput'), 2)} req/s, TTFT p50 {fmt(m.get('median_ttft_ms'), 1)} ms"
+                        + (" (not counted)" if warmup else "")))
 
     def stop(self, fleet: ShapeServers) -> None:
         servers.stop_all(fleet.members.values())

@@ -9,7 +9,8 @@ session, so a stop reaches every process it started: scheduler, detokenizer, TP 
   wait_ready()  polls GET /health_generate (SGLang answers it once a generation ran)
                 until it answers, the process exits ("died at startup") or the timeout
                 passes ("not ready"); "not started: port N ..." where start() found the
-                port taken;
+                port taken, "port N answered by another process" where the answer came
+                from a process outside this server's group;
   post()        a JSON request to it;
   stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once.
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
@@ -75,7 +76,8 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 
 def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
-    """A base port whose server and NCCL ports (base + 10 * slot, + 1) are all free now,
+    """A base port whose server and NCCL ports (base + 10 * slot, + 1; a shared-store
+    reader's + 5, + 6) are all free now,
     outside the kernel's ephemeral range: the runner's own HTTP connections take ephemeral
     ports, so a block inside that range can be taken between this check and the bind."""
     low, high = ephemeral or map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
@@ -87,7 +89,7 @@ def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
     for _ in range(200):
         base = rng.choice(bases)
         try:
-            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1)):
+            for port in (p + d for p in range(base, base + span, 10) for d in (0, 1, 5, 6)):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
         except OSError:
@@ -106,6 +108,34 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
+
+
+def listener_pids(port: int) -> set[int]:
+    """The processes holding a socket that listens on the port (Linux's /proc; empty where
+    it cannot be read)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = [line.split() for line in Path(table).read_text().splitlines()[1:]]
+        except OSError:
+            continue
+        inodes |= {r[9] for r in rows if r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port}
+    pids = set()
+    for fds in Path("/proc").glob("[0-9]*/fd") if inodes else ():
+        try:
+            links = (os.readlink(fd) for fd in fds.iterdir())
+            if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
+                pids.add(int(fds.parent.name))
+        except OSError:     # gone, or not ours to read
+            continue
+    return pids
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
@@ -211,14 +241,27 @@ class Server:
                 return "died at startup"
             try:
                 self.post("/health_generate", None, timeout=30)
-                return ""
+                return self.answered_by_another()
             except UNREACHABLE:
                 time.sleep(poll)
         return "not ready"
 
+    def answered_by_another(self) -> str:
+        """'' unless the port's listener is a process outside this server's group: a server
+        started on the same port a moment before ours bound it first, and answers for it (a
+        container's processes are not in the docker client's group: not checked there)."""
+        if self.command[:1] == ["docker"]:
+            return ""
+        owners = listener_pids(self.port)
+        if not owners or any(_pgid(pid) == self.process.pid for pid in owners):
+            return ""
+        return f"port {self.port} answered by another process (pid {min(owners)}), not this server"
+
     def wait_exit(self, timeout: float) -> bool:
         """Whether the process has exited within `timeout` seconds (a dying server takes a
         moment to exit after its scheduler failed)."""
+        if self.process is None:
+            return True
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -62,11 +62,12 @@ class FleetServer(servers.Server):
         return self.starts
 
     def launch(self, journal: Journal) -> None:
-        self.start(f"\n===== soak: start {self.starts + 1} =====")
+        started = self.start(f"\n===== soak: start {self.starts + 1} =====")
         # only now: until the new process stands in self.process, the watcher must not take
         # the killed one's exit for a crash
         self.expect_exit = False
-        journal.write({"type": "server", "event": "launched", "server": self.label, "role": self.role,
+        journal.write({"type": "server", "event": "launched" if started else "not started",
+                       **({} if started else {"why": self.taken}), "server": self.label, "role": self.role,
                        "model": self.case.name, "pool": self.case.pool, "kvcached": self.kvcached,
                        "ipc_name": self.ipc_name, "port": self.port, "command": self.command, "env": self.env,
                        "log": str(self.log), "generation": self.generation})

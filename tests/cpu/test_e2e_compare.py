@@ -11,6 +11,7 @@ against a stand-in server process, writes the report it promises.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -680,6 +681,23 @@ def test_ports_another_run_listens_on_are_not_taken_for_this_runs_servers(fake_t
     rows = json.loads(out.read_text())["rows"]
     assert [r["outcome"] for r in rows] == [f"not started: port {port} already has a listener (another server?)"] * 2
     assert all("passes" not in r for r in rows)
+
+
+def test_without_port_a_run_takes_a_free_block_outside_the_ephemeral_range(fake_trees, tmp_path):
+    # the old fixed default, 30000, held by another server: a run that took it would not start
+    i = fake_trees.index("--port")
+    args = fake_trees[:i] + fake_trees[i + 2:]
+    out = tmp_path / "report.json"
+    with contextlib.ExitStack() as held:
+        other = held.enter_context(socket.socket())
+        with contextlib.suppress(OSError):   # already taken by something else: as good
+            other.bind(("127.0.0.1", 30000))
+            other.listen()
+        assert e2e.main([*args, "--variants", "native", "elastic-contiguous", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ports = [int(r["command"][r["command"].index("--port") + 1]) for r in rows]
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert all(not low <= p <= high for p in ports) and 30000 not in ports
 
 
 def test_a_report_that_is_not_there_is_refused_in_one_line(tmp_path):

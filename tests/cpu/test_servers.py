@@ -37,6 +37,7 @@ STAND_IN = textwrap.dedent('''
     if os.environ.get("FAKE_IGNORE_TERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    time.sleep(float(os.environ.get("FAKE_BIND_AFTER", "0")))   # SGLang binds once its model is loaded
     began = time.time()
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -140,6 +141,24 @@ def test_a_port_another_server_listens_on_is_not_polled_and_a_stopped_ones_port_
         assert third.wait_ready(timeout=60, poll=0.2) == ""
     finally:
         third.stop(grace=10)
+
+
+def test_a_server_whose_port_another_server_bound_first_is_not_taken_as_ready(tree, tmp_path):
+    # both started on a free port; the other binds it while this one is still loading
+    slow = stand_in(tree, tmp_path, "slow", FAKE_BIND_AFTER="4")
+    slow.start()
+    fast = servers.Server(slow.command, slow.port, tmp_path / "fast.log", {},
+                          servers.local_env({}, [str(tree)], []))
+    fast.start()
+    try:
+        assert fast.wait_ready(timeout=60, poll=0.2) == ""        # its own listener: ready
+        owner = fast.process.pid
+        assert servers.listener_pids(slow.port) == {owner}
+        why = slow.wait_ready(timeout=60, poll=0.2)
+        assert why == f"port {slow.port} answered by another process (pid {owner}), not this server"
+    finally:
+        fast.stop(grace=10)
+        slow.stop(grace=10)
 
 
 def test_a_server_that_never_answers_is_not_ready_after_the_timeout(tree, tmp_path):

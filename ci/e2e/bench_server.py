@@ -359,10 +359,10 @@ def render(report: dict) -> str:
     versions = (report.get("environment") or {}).get("versions")
     sglang = versions.get("sglang") if isinstance(versions, dict) else None
     lines = [f"# Server benchmark: kvcached vs native SGLang{' ' + sglang if sglang else ''}, HiCache on", "",
-             f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds "
-             f"after {c.get('warmup_rounds', 0)} not counted (warm-up), each variant once a round, the order "
-             f"rotated; every variant's value divided by native's of the same round: median ratio (min-max "
-             f"over rounds). Throughput: higher is better; TTFT and ITL: lower. "
+             f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds"
+             + (f" after {c['warmup_rounds']} not counted (warm-up)" if c.get("warmup_rounds") else "")
+             + f", each variant once a round, the order rotated; every variant's value divided by native's of "
+             f"the same round: median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
              f"Device pool {c['sizes']['device_tokens']} tokens; {c['sizes']['groups']} groups x "
              f"{c['sizes']['prompts_per_group']} prompts, system prompt {c['sizes']['system_prompt_len']}, question "
              f"{c['sizes']['question_len']}, output {c['sizes']['output_len']} tokens, {c['sizes']['concurrency']} "

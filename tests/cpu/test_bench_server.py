@@ -148,6 +148,7 @@ def test_runs_past_the_deadline_are_not_run_and_say_so(trees, tmp_path):
     warmup = report["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["warmup"]
     assert len(runs) == 12 and all(r["error"] == "not run: --deadline 0 s had passed" for r in runs + warmup)
     assert len(warmup) == 4
+    assert sum(p.startswith("llama3-8b/shared-prefix warm-up 1 ") for p in report["problems"]) == 4
     assert not list((out / "raw").rglob("*.jsonl"))
 
 

@@ -3,7 +3,7 @@
 # Packs mooncake-transfer-engine-non-cuda 0.3.13.post1 (requirements/cpu.txt's pin; cp312)
 # for a GPU machine without network, as a site folder with its dist-info: the store client
 # SGLang's MooncakeStore imports (store.so), mooncake_master and the libraries they load
-# (about 18 MB). Left out: transfer_engine_bench and mooncake_client. The machine must have
+# (about 15 MB). Left out: transfer_engine_bench and mooncake_client. The machine must have
 # libibverbs1, libnuma1 and libcurl4 (the H200 machines' Ubuntu 24.04 image does).
 # There: tar xJf OUT -C /tmp/mooncake, then put /tmp/mooncake/site on the servers' PYTHONPATH.
 set -euo pipefail

@@ -145,7 +145,7 @@ def test_a_port_another_server_listens_on_is_not_polled_and_a_stopped_ones_port_
 
 def test_a_server_whose_port_another_server_bound_first_is_not_taken_as_ready(tree, tmp_path):
     # both started on a free port; the other binds it while this one is still loading
-    slow = stand_in(tree, tmp_path, "slow", FAKE_BIND_AFTER="4")
+    slow = stand_in(tree, tmp_path, "slow", FAKE_BIND_AFTER="10")
     slow.start()
     fast = servers.Server(slow.command, slow.port, tmp_path / "fast.log", {},
                           servers.local_env({}, [str(tree)], []))

@@ -18,11 +18,11 @@ it out of the device pool (L3: out of host memory too), the set again), and is j
 against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
 (tolerance --logprob-tol, default 0: bit-identical), device/host/storage hit tokens per
 prompt, and kvcached's allocation line in the log. The L3 store (--l3-store) is SGLang's
-file store (a fresh folder per server) or Mooncake: one mooncake_master on loopback
-(mooncake_store.py), started before the rows and stopped after them (also on SIGTERM or
-Ctrl-C), each server a client under its own tag; --shared-store adds rows of two servers
-under one tag, a writer (pass 1, filler) and, while it runs, a reader (pass 2) that must
-answer from what the writer stored. Dummy-weight servers get
+file store (a fresh folder per server) or Mooncake: a mooncake_master on loopback
+(mooncake_store.py) for each row, started before its server and stopped after it (also
+on SIGTERM or Ctrl-C), the server a client under the row's tag; --shared-store adds rows
+of two servers of one master under one tag, a writer (pass 1, filler) and, while it
+runs, a reader (pass 2) that must answer from what the writer stored. Dummy-weight servers get
 ci/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
 model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
 logprob); their log must show it ran. Passes never use /flush_cache: in
@@ -92,7 +92,8 @@ class Runner:
         self.last_paths = ([str(servers.STANDIN_SITE)] if opts.launcher == "local"
                            and servers.lacks(opts.python, "deep_gemm") else [])
         self.live: set[servers.Server] = set()
-        self.store: mooncake_store.MooncakeMaster | None = None   # --l3-store mooncake
+        self.master_binary: Path | None = None    # --l3-store mooncake: each such row's master
+        self.masters: set[mooncake_store.MooncakeMaster] = set()
         self.stopping = False
         # each finished row at once, so that a run cut short keeps what it did
         self.journal = Path(opts.out).with_suffix(".rows.jsonl")
@@ -103,6 +104,8 @@ class Runner:
         self.stopping = True
         for server in list(self.live):
             server.stop()
+        for master in list(self.masters):
+            master.stop()
         raise SystemExit(f"stopped; finished rows are in {self.journal}")
 
     def image(self, variant: matrix.Variant) -> str | None:
@@ -143,6 +146,9 @@ class Runner:
             slot = self.slots.pop(0)
         try:
             result = {**rec, **self.serve(row, slot)}
+        except mooncake_store.MasterError as exc:
+            result = {**rec, "outcome": "store failed", "error": str(exc)}
+            self.done(row, result)
         except Exception as exc:  # a defect of the harness in one row must not lose the other rows
             result = {**rec, "outcome": "harness error", "error": f"{type(exc).__name__}: {exc}"}
             print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: harness error\n"
@@ -157,28 +163,49 @@ class Runner:
     def serve(self, row: matrix.Row, slot: int) -> dict:
         port = self.port + 10 * slot
         gpus = [self.gpus[(slot + i) % len(self.gpus)] for i in range(row.case.gpus)]
-        if row.shared:
-            return self.serve_pair(row, port, gpus)
-        with self.launched(row, port, gpus) as (server, result):
-            if not result.get("outcome"):
-                passes = self.served(server, result, lambda: self.traffic(server, row))
-                if result["outcome"] == "served":
-                    result["passes"] = passes
+        with self.row_store(row) as store:
+            if row.shared:
+                return self.serve_pair(row, port, gpus, store)
+            with self.launched(row, port, gpus, store) as (server, result):
+                if not result.get("outcome"):
+                    passes = self.served(server, result, lambda: self.traffic(server, row))
+                    if result["outcome"] == "served":
+                        result["passes"] = passes
         self.done(row, result)
         return result
 
-    def serve_pair(self, row: matrix.Row, port: int, gpus: list[str]) -> dict:
+    @contextlib.contextmanager
+    def row_store(self, row: matrix.Row):
+        """A Mooncake L3 row's own mooncake_master (None for any other row), running while
+        its servers do. Not one for the run: the store puts an object in any client's memory
+        segment, so a server of another row that stops takes this row's objects with it (on
+        the H200, writes and the shared pairs' reads failed so, natively too)."""
+        if not (row.l3 and row.l3_store == "mooncake"):
+            yield None
+            return
+        master = mooncake_store.MooncakeMaster(self.logs / (row.key.replace("/", "__") + ".mooncake_master.log"),
+                                               self.master_binary)
+        with self.lock:
+            self.masters.add(master)
+        try:
+            with master.running():
+                yield master
+        finally:
+            with self.lock:
+                self.masters.discard(master)
+
+    def serve_pair(self, row: matrix.Row, port: int, gpus: list[str], store) -> dict:
         """A shared-store row: the writer serves pass 1 and the filler; the reader, under
         the same tag, pass 2. The writer runs until the reader is done: a Mooncake client's
         objects live in the memory segment it gives the store, and go with it. The reader
         takes the GPUs after the writer's in --gpus (the same ones where there are no more)."""
         passes: dict = {}
-        with self.launched(row, port, gpus, "writer") as (writer, result):
+        with self.launched(row, port, gpus, store, "writer") as (writer, result):
             if not result.get("outcome"):
                 passes = self.served(writer, result, lambda: self.traffic(writer, row, ("pass1", "filler")))
             if result["outcome"] == "served":
                 after = [self.gpus[(self.gpus.index(gpus[-1]) + 1 + i) % len(self.gpus)] for i in range(len(gpus))]
-                with self.launched(row, port + 5, after, "reader") as (reader, result["reader"]):
+                with self.launched(row, port + 5, after, store, "reader") as (reader, result["reader"]):
                     if not result["reader"].get("outcome"):
                         passes.update(self.served(reader, result["reader"],
                                                   lambda: self.traffic(reader, row, ("pass2",))))
@@ -199,15 +226,14 @@ class Runner:
         return matrix.store_tag(row)
 
     @contextlib.contextmanager
-    def launched(self, row: matrix.Row, port: int, gpus: list[str], role: str = ""):
+    def launched(self, row: matrix.Row, port: int, gpus: list[str], store=None, role: str = ""):
         """Start one server of the row and wait for it; yield it and its record (with an
         `outcome` already where it never got ready); on leaving, stop it, remove its file
-        store and add what its log says. `role`: writer or reader of a shared-store row,
-        which share the row's Mooncake tag."""
+        store and add what its log says. `store`: the row's mooncake_master (row_store);
+        `role`: writer or reader of a shared-store row, which share the row's Mooncake tag."""
         opts, plan = self.opts, row.case.plan_of(self.plan)
         tag = self.store_tag(row, role) if row.l3 and row.l3_store == "mooncake" else None
-        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], self.store,
-                                   tag)
+        flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], store, tag)
         storage = None
         if row.l3 and row.l3_store == "file":
             storage = (tempfile.mkdtemp(prefix="e2e-l3-") if opts.launcher == "local"
@@ -230,7 +256,7 @@ class Runner:
         print(f"[{time.time() - self.started:6.0f} s] start {row.key}{' ' + role if role else ''} "
               f"(GPU {','.join(gpus)}, port {port})", flush=True)
         result = {"command": command, "env": env, "gpus": gpus, "log": str(log),
-                  **({"store_tag": tag} if tag else {})}
+                  **({"store_tag": tag, "mooncake_master": store.master_address} if tag else {})}
         began = time.time()
         server.start()
         self.live.add(server)
@@ -395,25 +421,20 @@ def main(argv=None) -> int:
         report["l3_store"] = {"store": opts.l3_store}
     if opts.l3_store == "mooncake" and any(r.l3 and not r.not_run for r in rows):
         try:
-            runner.store = mooncake_store.MooncakeMaster(
-                runner.logs / "mooncake_master.log",
-                opts.mooncake_master or mooncake_store.packaged_binary(opts.python))
-            # the servers' store client (under docker: the package of this host's --python)
-            report["l3_store"].update(mooncake=mooncake_store.package(opts.python),
-                                      mooncake_master=str(runner.store.binary))
+            runner.master_binary = Path(opts.mooncake_master or mooncake_store.packaged_binary(opts.python))
+            # a master that cannot serve stops the run before any row, in one line
+            with mooncake_store.MooncakeMaster(runner.logs / "mooncake_master.log", runner.master_binary).running():
+                pass
         except mooncake_store.MasterError as exc:
             raise SystemExit(f"error: {exc}")
+        # the servers' store client (under docker: the package of this host's --python)
+        report["l3_store"].update(mooncake=mooncake_store.package(opts.python),
+                                  mooncake_master=str(runner.master_binary))
 
     def run_all() -> dict:
-        with runner.store.running() if runner.store else contextlib.nullcontext():
-            if runner.store:
-                print(f"mooncake_master on {runner.store.master_address} (log {runner.store.log_path})", flush=True)
-            with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-                return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
-    try:
-        done = servers.with_signals(runner.stop_all, run_all)
-    except mooncake_store.MasterError as exc:
-        raise SystemExit(f"error: {exc}")
+        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+            return dict(zip(order, pool.map(runner.run, [rows[i] for i in order])))
+    done = servers.with_signals(runner.stop_all, run_all)
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)

@@ -103,7 +103,7 @@ _QWEN35 = dict(pool="mamba", kvcached_env=(("KVCACHED_PAGE_SIZE_MB", "4"),),
 # SGLang's file store keeps one file per page, so at page size 1 a 511-token prefix comes
 # back from 511 files: 5-20 s a prefetch natively, and a request of the L3 pass timed out on
 # native SGLang (H200). The Mooncake store keeps pages in its clients' memory, not a file
-# each, so with --l3-store mooncake the MLA L3 rows run (not yet on a GPU); below the
+# each, so with --l3-store mooncake the MLA L3 rows run; below the
 # server, tests/cpu/test_l3_storage.py checks MLA over both stores.
 _MLA = dict(pool="mla", page_size=1,
             no_l3="page size 1 (see _MLA): SGLang's file store reads a 511-token prefix from 511 files, "

@@ -707,33 +707,37 @@ def test_a_report_that_is_not_there_is_refused_in_one_line(tmp_path):
 
 @pytest.fixture
 def fake_master(tmp_path, monkeypatch):
-    """A stand-in mooncake_master (--mooncake-master) and where it writes its pid."""
+    """A stand-in mooncake_master (--mooncake-master) and where each one adds its pid."""
     pid_file = tmp_path / "master.pid"
     monkeypatch.setenv("FAKE_MASTER_PID", str(pid_file))
     return fake_mooncake_master.executable(tmp_path), pid_file
 
 
-def gone(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text()), 0)
-    except ProcessLookupError:
-        return True
-    return False
+def masters_started(pid_file: Path) -> int:
+    """How many stand-in masters served; each must be gone."""
+    pids = [int(line) for line in pid_file.read_text().split()]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    return len(pids)
 
 
-def test_runner_with_a_mooncake_store_starts_one_master_and_stops_it(fake_trees, fake_master, tmp_path):
+def test_each_mooncake_l3_row_has_a_master_of_its_own_stopped_after_it(fake_trees, fake_master, tmp_path):
     binary, pid_file = fake_master
     out = tmp_path / "report.json"
     assert e2e.main([*fake_trees, "--l3", "also", "--l3-store", "mooncake", "--mooncake-master", str(binary),
                      "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["problems"] == [] and gone(pid_file)
+    l3 = [r for r in report["rows"] if r["l3"]]
+    # one that checks the binary serves before any row, then one a row: a store puts an
+    # object in any client's segment, and another row's server takes it with it when it stops
+    assert report["problems"] == [] and masters_started(pid_file) == 1 + len(l3)
+    assert len({r["mooncake_master"] for r in l3}) == len(l3)
     assert report["l3_store"] == {"store": "mooncake", "mooncake_master": str(binary),
                                   "mooncake": mooncake_store.package(sys.executable)}
-    l3 = [r for r in report["rows"] if r["l3"]]
     assert {r["variant"] for r in l3} == {"native", "elastic-contiguous", "elastic-per-layer"}
     tags = []
-    for row in l3:      # each a client of the one master (the stand-in exits otherwise), under its own tag
+    for row in l3:      # each a client of its master (the stand-in exits otherwise), under its own tag
         ns = parse(row["command"][3:])
         assert ns.hicache_storage_backend == "mooncake" and ns.hicache_storage_prefetch_policy == "wait_complete"
         tags.append(json.loads(ns.hicache_storage_backend_extra_config)["extra_backend_tag"])
@@ -771,6 +775,7 @@ def test_a_shared_store_reader_answers_from_what_its_writer_stored(fake_trees, f
         tag = json.loads(writer_flags.hicache_storage_backend_extra_config)["extra_backend_tag"]
         assert json.loads(reader_flags.hicache_storage_backend_extra_config)["extra_backend_tag"] == tag
         assert row["store_tag"] == reader["store_tag"] == tag
+        assert row["mooncake_master"] == reader["mooncake_master"]     # the pair's one store
         if row["kvcached"]:   # both run at once: each its own kvcached instance
             assert row["env"]["KVCACHED_IPC_NAME"] != reader["env"]["KVCACHED_IPC_NAME"]
         assert reader_flags.port != writer_flags.port and row["log"] != reader["log"]
@@ -840,7 +845,25 @@ def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_mast
                       "--out", str(tmp_path / "report.json")])
     finally:
         returned.set()
-    assert gone(pid_file)
+    assert masters_started(pid_file) >= 2     # the check and a row's, both stopped
+
+
+def test_a_rows_master_that_does_not_start_fails_that_row_only(fake_trees, fake_master, tmp_path, monkeypatch):
+    binary, _ = fake_master
+    start = mooncake_store.MooncakeMaster.start
+
+    def contiguous_fails(self):      # the check's and the native row's serve
+        if self.log_path.name == "qwen2-tiny__page_first__l3__elastic-contiguous.mooncake_master.log":
+            raise mooncake_store.MasterError(f"{binary} exited before serving, 3 times")
+        return start(self)
+    monkeypatch.setattr(mooncake_store.MooncakeMaster, "start", contiguous_fails)
+    out = tmp_path / "report.json"
+    assert e2e.main([*fake_trees, "--l3", "only", "--variants", "native", "elastic-contiguous", "--l3-store",
+                     "mooncake", "--mooncake-master", str(binary), "--out", str(out)]) == 1
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["native"]["result"] == "oracle"
+    assert rows["elastic-contiguous"]["outcome"] == "store failed"
+    assert "exited before serving" in rows["elastic-contiguous"]["error"]
 
 
 def test_a_master_that_does_not_start_stops_the_run_in_one_line(fake_trees, fake_master, tmp_path, monkeypatch):

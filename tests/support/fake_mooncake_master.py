@@ -8,7 +8,7 @@ tests/cpu/test_e2e_compare.py): takes the real one's port flags and, by $FAKE_MA
   silent    never listens, never exits;
   deaf      serves, and ignores SIGTERM.
 
-With $FAKE_MASTER_PID it writes its pid there once it serves. `executable(folder)` writes
+With $FAKE_MASTER_PID it adds its pid there, a line, once it serves. `executable(folder)` writes
 the script the launcher runs (it execs this file with this interpreter, so the pid is the
 launcher's child's).
 """
@@ -56,7 +56,8 @@ def main() -> None:
                 time.sleep(1)
             serve(port)
         if os.environ.get("FAKE_MASTER_PID"):
-            Path(os.environ["FAKE_MASTER_PID"]).write_text(str(os.getpid()))
+            with open(os.environ["FAKE_MASTER_PID"], "a") as pids:
+                pids.write(f"{os.getpid()}\n")
     while True:
         time.sleep(1)
 

@@ -15,7 +15,7 @@ include sglang.pin
 
 .PHONY: report all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
         import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
-        image wheel ci clean
+        image ci clean
 
 all: patched
 
@@ -190,12 +190,6 @@ image:
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
 	  -t $(IMAGE_TAG) . 2>&1 | tee build/image-build.log \
 	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh explain build/image-build.log; exit 1; }
-
-# PyPI's wheel of the pinned release with the series applied (scripts/build-wheel), checked
-# against the pristine tree in use (the submodule or the wheel's own tree).
-WHEEL_OUT ?= dist
-wheel:
-	scripts/build-wheel --out "$(WHEEL_OUT)"
 
 ci:
 	bash .ci/run

@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
-from compare_servers import patches_state  # noqa: E402  (the series digest, until scripts/ has the one)
+from compare_servers import patches_state  # noqa: E402  (the series digest)
 
 CLIENT_STANDIN = HERE.parent / "rig" / "standin" / "bench_client"
 

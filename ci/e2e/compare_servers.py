@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
-import hashlib
 import json
 import os
 import platform
@@ -64,6 +63,9 @@ import e2e_verdict as judge  # noqa: E402
 import mooncake_store  # noqa: E402
 import servers  # noqa: E402
 from real_kernels import sgl_kernel_calls  # noqa: E402
+
+sys.path.insert(2, str(ROOT / "scripts"))
+import _series  # noqa: E402  (the series digest)
 
 
 def generate(server: servers.Server, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
@@ -304,12 +306,11 @@ class Runner:
 
 
 def patches_state(patches: Path = ROOT / "patches") -> dict:
-    """sha256 of patches/series and of each patch it lists, and one digest over all."""
-    files = ["series"] + [line.strip() for line in (patches / "series").read_text().splitlines()
-                          if line.strip() and not line.startswith("#")]
-    sums = {name: hashlib.sha256((patches / name).read_bytes()).hexdigest() for name in files}
-    overall = hashlib.sha256("".join(f"{sums[n]}  {n}\n" for n in files).encode()).hexdigest()
-    return {"digest": overall, "files": sums}
+    """The series digest (scripts/_series.py's, which scripts/apply records in the tree) and
+    the sha256 of patches/series and of each patch it lists."""
+    series = _series.Series(patches)
+    return {"digest": series.digest,
+            "files": {name: _series.sha((patches / name).read_bytes()) for name in ["series", *series.patches]}}
 
 
 def environment(opts) -> dict:

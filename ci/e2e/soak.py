@@ -50,7 +50,7 @@ import soak_fleet as fleets  # noqa: E402
 import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
-from compare_servers import patches_state  # noqa: E402  (the series digest, until scripts/ has the one)
+from compare_servers import patches_state  # noqa: E402  (the series digest)
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")

@@ -337,7 +337,7 @@ def test_a_missing_or_malformed_pin_is_one_line(fake, tmp_path, pin):
 
 
 def test_fetch_wheel_takes_only_a_wheel_for_the_interpreter_asked_for(fake, tmp_path):
-    """`make wheel PYTHON=python3.12` after a `make` with Python 3.11: the cached cp311 wheel is
+    """`make PYTHON=python3.12` after a `make` with Python 3.11: the cached cp311 wheel is
     not taken for 3.12. The interpreters here report their tag and 'download' their wheel."""
     def python(tag: str) -> Path:
         exe = tmp_path / f"python-{tag}"

@@ -152,7 +152,9 @@ class Runner:
             result = {**rec, "outcome": "store failed", "error": str(exc)}
             self.done(row, result)
         except Exception as exc:  # a defect of the harness in one row must not lose the other rows
-            result = {**rec, "outcome": "harness error", "error": f"{type(exc).__name__}: {exc}"}
+            stem = row.key.replace("/", "__")    # the row's server and master logs, as launched() names them
+            result = {**rec, "outcome": "harness error", "error": f"{type(exc).__name__}: {exc}",
+                      "logs": [str(p) for p in sorted(self.logs.glob(stem + ".*log"))]}
             print(f"[{time.time() - self.started:6.0f} s] done  {row.key}: harness error\n"
                   + traceback.format_exc(), end="", flush=True)
         finally:

@@ -665,6 +665,8 @@ def test_a_row_the_harness_fails_on_is_recorded_and_the_other_rows_are_kept(fake
     rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
     bad = rows["qwen2-tiny/page_first/elastic-contiguous"]
     assert bad["outcome"] == "harness error" and "ImportError: cannot import name 'AutoTokenizer'" in bad["error"]
+    assert [Path(p).name for p in bad["logs"]] == ["qwen2-tiny__page_first__elastic-contiguous.log"]
+    assert Path(bad["logs"][0]).stat().st_size > 0      # the server ran; what it said is there
     assert rows["qwen2-tiny/page_first/elastic-per-layer"]["result"] == "matches native"
     assert len(out.with_suffix(".rows.jsonl").read_text().splitlines()) == 3
 

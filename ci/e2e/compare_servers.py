@@ -75,6 +75,10 @@ def generate(server: servers.Server, ids: list[int], plan: matrix.Plan, timeout:
     return judge.summarize(server.post("/generate", payload, timeout))
 
 
+class RunStopped(Exception):
+    """stop_all ran while a row was starting its master or a server."""
+
+
 class Runner:
     """Runs rows, several at a time, each on its own port and GPU(s)."""
 
@@ -148,8 +152,11 @@ class Runner:
             slot = self.slots.pop(0)
         try:
             result = {**rec, **self.serve(row, slot)}
+        except RunStopped:
+            result = {**rec, "outcome": "skipped", "reason": "the run was stopped"}
         except mooncake_store.MasterError as exc:
-            result = {**rec, "outcome": "store failed", "error": str(exc)}
+            result = {**rec, "outcome": "skipped" if self.stopping else "store failed", "error": str(exc),
+                      **({"reason": "the run was stopped"} if self.stopping else {})}
             self.done(row, result)
         except Exception as exc:  # a defect of the harness in one row must not lose the other rows
             stem = row.key.replace("/", "__")    # the row's server and master logs, as launched() names them
@@ -187,12 +194,21 @@ class Runner:
         if not (row.l3 and row.l3_store == "mooncake"):
             yield None
             return
-        master = mooncake_store.MooncakeMaster(self.logs / (row.key.replace("/", "__") + ".mooncake_master.log"),
-                                               self.master_binary)
+        log = self.logs / (row.key.replace("/", "__") + ".mooncake_master.log")
+        log.write_text("")          # this run's master only
+        with self.master(log) as master:
+            yield master
+
+    @contextlib.contextmanager
+    def master(self, log: Path):
+        """A mooncake_master running, which stop_all stops too."""
+        master = mooncake_store.MooncakeMaster(log, self.master_binary)
         with self.lock:
             self.masters.add(master)
         try:
             with master.running():
+                if self.stopping:
+                    raise RunStopped()
                 yield master
         finally:
             with self.lock:
@@ -235,6 +251,8 @@ class Runner:
         `outcome` already where it never got ready); on leaving, stop it, remove its file
         store and add what its log says. `store`: the row's mooncake_master (row_store);
         `role`: writer or reader of a shared-store row, which share the row's Mooncake tag."""
+        if self.stopping:       # stop_all ran while this row was starting: no new server
+            raise RunStopped()
         opts, plan = self.opts, row.case.plan_of(self.plan)
         tag = self.store_tag(row, role) if row.l3 and row.l3_store == "mooncake" else None
         flags = matrix.server_args(row, port, plan, [*self.extra_flags, "--nccl-port", str(port + 1)], store, tag)
@@ -260,7 +278,8 @@ class Runner:
         print(f"[{time.time() - self.started:6.0f} s] start {row.key}{' ' + role if role else ''} "
               f"(GPU {','.join(gpus)}, port {port})", flush=True)
         result = {"command": command, "env": env, "gpus": gpus, "log": str(log),
-                  **({"store_tag": tag, "mooncake_master": store.master_address} if tag else {})}
+                  **({"store_tag": tag, "mooncake_master": store.master_address,
+                      "mooncake_master_log": str(store.log_path)} if tag else {})}
         began = time.time()
         server.start()
         self.live.add(server)
@@ -425,14 +444,16 @@ def main(argv=None) -> int:
     if opts.l3_store == "mooncake" and any(r.l3 and not r.not_run for r in rows):
         try:
             runner.master_binary = Path(opts.mooncake_master or mooncake_store.packaged_binary(opts.python))
-            # a master that cannot serve stops the run before any row, in one line
-            with mooncake_store.MooncakeMaster(runner.logs / "mooncake_master.log", runner.master_binary).running():
-                pass
+            # the servers' store client (under docker: the package of this host's --python)
+            report["l3_store"].update(mooncake=mooncake_store.package(opts.python),
+                                      mooncake_master=str(runner.master_binary))
+
+            def check_master():   # a master that cannot serve stops the run before any row, in one line
+                with runner.master(runner.logs / "mooncake_master.log"):
+                    pass
+            servers.with_signals(runner.stop_all, check_master)
         except mooncake_store.MasterError as exc:
             raise SystemExit(f"error: {exc}")
-        # the servers' store client (under docker: the package of this host's --python)
-        report["l3_store"].update(mooncake=mooncake_store.package(opts.python),
-                                  mooncake_master=str(runner.master_binary))
 
     def run_all() -> dict:
         with ThreadPoolExecutor(max_workers=opts.jobs) as pool:

@@ -99,6 +99,7 @@ class MooncakeMaster:
         self.log_path = Path(log_path)
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
+        self.stopped = False    # stop() was called: a master SIGTERMed while it started is not restarted
         self.rpc_port = self.http_port = self.metrics_port = 0
 
     @property
@@ -135,6 +136,8 @@ class MooncakeMaster:
         if not self.binary.is_file():
             raise MasterError(f"no mooncake_master at {self.binary}")
         for _ in range(MASTER_START_TRIES):
+            if self.stopped:
+                raise MasterError(f"{self.binary} was stopped while it started")
             if self._start_once():
                 return self
         raise MasterError(f"{self.binary} exited before serving, {MASTER_START_TRIES} times; "
@@ -164,6 +167,7 @@ class MooncakeMaster:
         return True
 
     def stop(self) -> None:
+        self.stopped = True
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

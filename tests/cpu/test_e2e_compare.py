@@ -724,17 +724,27 @@ def masters_started(pid_file: Path) -> int:
     return len(pids)
 
 
-def test_each_mooncake_l3_row_has_a_master_of_its_own_stopped_after_it(fake_trees, fake_master, tmp_path):
+def test_each_mooncake_l3_row_has_a_master_of_its_own_stopped_after_it(fake_trees, fake_master, tmp_path,
+                                                                       monkeypatch):
     binary, pid_file = fake_master
+    start, started = mooncake_store.MooncakeMaster.start, []
+
+    def one_at_a_time(self):     # --jobs 1: a row's master is gone before the next row's starts
+        assert all(m.proc.poll() is not None for m in started), "an earlier row's master still runs"
+        started.append(self)
+        return start(self)
+    monkeypatch.setattr(mooncake_store.MooncakeMaster, "start", one_at_a_time)
     out = tmp_path / "report.json"
     assert e2e.main([*fake_trees, "--l3", "also", "--l3-store", "mooncake", "--mooncake-master", str(binary),
-                     "--out", str(out)]) == 0
+                     "--out", str(out), "--jobs", "1"]) == 0
     report = json.loads(out.read_text())
     l3 = [r for r in report["rows"] if r["l3"]]
     # one that checks the binary serves before any row, then one a row: a store puts an
     # object in any client's segment, and another row's server takes it with it when it stops
     assert report["problems"] == [] and masters_started(pid_file) == 1 + len(l3)
     assert len({r["mooncake_master"] for r in l3}) == len(l3)
+    assert all(Path(r["mooncake_master_log"]).name == r["key"].replace("/", "__") + ".mooncake_master.log"
+               for r in l3)
     assert report["l3_store"] == {"store": "mooncake", "mooncake_master": str(binary),
                                   "mooncake": mooncake_store.package(sys.executable)}
     assert {r["variant"] for r in l3} == {"native", "elastic-contiguous", "elastic-per-layer"}
@@ -828,9 +838,18 @@ def test_a_shared_store_needs_mooncake_l3_rows(fake_trees, tmp_path):
             e2e.main([*fake_trees, *more, "--shared-store", "--out", str(tmp_path / "r.json")])
 
 
-def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_master, tmp_path):
+def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_master, tmp_path, monkeypatch):
     binary, pid_file = fake_master
-    returned = threading.Event()
+    returned, at_stop = threading.Event(), []
+    stop_all = e2e.Runner.stop_all
+
+    def stop_all_seen(self, *args):   # every master running when it is called is gone when it is done
+        running = list(self.masters)
+        try:
+            stop_all(self, *args)
+        finally:
+            at_stop.append([m.proc.poll() for m in running])
+    monkeypatch.setattr(e2e.Runner, "stop_all", stop_all_seen)
 
     def terminate():        # once the master serves and the servers take requests that never end
         deadline = time.monotonic() + 20
@@ -848,6 +867,7 @@ def test_a_sigterm_to_the_runner_stops_the_mooncake_master(fake_trees, fake_mast
     finally:
         returned.set()
     assert masters_started(pid_file) >= 2     # the check and a row's, both stopped
+    assert at_stop and at_stop[0] and None not in at_stop[0], at_stop
 
 
 def test_a_rows_master_that_does_not_start_fails_that_row_only(fake_trees, fake_master, tmp_path, monkeypatch):

@@ -152,3 +152,21 @@ def test_mooncake_l3_rows_get_the_backend_and_a_tag_each_and_file_rows_are_uncha
     assert plain(moon) == plain(file)
     with pytest.raises(ValueError, match="--l3-store"):
         matrix.build_rows(cases, l3="also", l3_store="s3")
+
+
+def test_a_master_stopped_while_it_starts_is_not_started_again(binary, tmp_path, monkeypatch):
+    # the harness's stop_all stops a master another thread is starting: a master that then
+    # exits must read as stopped, not as a taken port to retry on new ones
+    monkeypatch.setenv("FAKE_MASTER", "exit")
+    master = store.MooncakeMaster(tmp_path / "master.log", binary)
+    once = master._start_once
+
+    def stopped_after_the_first_try():
+        try:
+            return once()
+        finally:
+            master.stop()
+    monkeypatch.setattr(master, "_start_once", stopped_after_the_first_try)
+    with pytest.raises(store.MasterError, match="was stopped while it started"):
+        master.start()
+    assert master.log_path.read_text().count("fake mooncake_master") == 1

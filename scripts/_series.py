@@ -159,7 +159,7 @@ class Series:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
             for begin, end in zip(starts, starts[1:] + [len(data)]):
                 self._add(path.name, data[begin:end])
-        # The digest (the record's, the wheel's version): the sha256 of `sha256sum series PATCH...` in patches/.
+        # The digest (the record's, the reports'): the sha256 of `sha256sum series PATCH...` in patches/.
         listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
         self.files, self.digest = list(self.by_file), sha(listing.encode())
 

@@ -246,7 +246,15 @@ def judge(rows: list[dict], logprob_tol: float) -> list[str]:
                 result = "oracle" if not problems else "native failed"
         else:
             result, problems = verdict(r["expect"], r, native, logprob_tol, r.get("refusal", ""))
-            problems = problems + shared_problems(r)
+            shared = shared_problems(r)
+            native_failed = native is not None and native["outcome"] == "served" and bool(
+                native_problems(native, native["l3"]) + shared_problems(native))
+            if native_failed and result in ("matches native", "differs from native"):
+                # measured against a native run that did not reach the tier under test
+                result = "no verdict: native failed"
+            elif shared and result == "matches native":   # a reader that saw nothing shows nothing
+                result = "no verdict: " + shared[0]
+            problems = problems + shared
         if r.get("dummy") and r["outcome"] == "served":
             problems = problems + weights_problems(r, native)
         r["result"], r["problems"] = result, problems

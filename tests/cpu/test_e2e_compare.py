@@ -452,6 +452,11 @@ def test_judge_checks_the_oracle_too():
     assert verdict.judge(rows, 0.0) == [] and [r["result"] for r in rows] == ["oracle", "matches native"]
     cold = [row_dict("native", host=0), row_dict("elastic-contiguous", host=0, kvcached="contiguous")]
     assert any("never hit the host cache" in p for p in verdict.judge(cold, 0.0))
+    # equal to, or other than, a native run that never reached the tier: no verdict either way
+    assert [r["result"] for r in cold] == ["native failed", "no verdict: native failed"]
+    cold_other = [row_dict("native", host=0), row_dict("elastic-contiguous", host=448, kvcached="contiguous")]
+    verdict.judge(cold_other, 0.0)
+    assert cold_other[1]["result"] == "no verdict: native failed" and cold_other[1]["problems"]
     l3 = [row_dict("native", host=0, storage=448, l3=True)]
     assert verdict.judge(l3, 0.0) == []
     l3_cold = [row_dict("native", host=448, storage=0, l3=True)]
@@ -804,8 +809,8 @@ def test_a_reader_under_another_tag_sees_nothing_and_fails(fake_trees, fake_mast
                                      "elastic-contiguous")
     assert code == 1
     assert pairs["qwen2-tiny/page_first/l3-shared/native"]["result"] == "native failed"
-    # it equals its native pair (neither reader saw the store): the problem is its own
-    assert pairs["qwen2-tiny/page_first/l3-shared/elastic-contiguous"]["result"] == "matches native"
+    # it equals its native pair, but neither reader saw the store: no verdict, and the problem is its own too
+    assert pairs["qwen2-tiny/page_first/l3-shared/elastic-contiguous"]["result"] == "no verdict: native failed"
     reason = "had no storage hit in pass 2: it did not answer from what the writer stored"
     for key in pairs:
         assert any(p.startswith(key + ": the reader (tag ") and "-other" in p and reason in p

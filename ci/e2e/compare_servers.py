@@ -266,7 +266,7 @@ class Runner:
         if opts.launcher == "docker" and plugins:
             env["PYTHONPATH"] = ":".join(plugins)
         command = servers.launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus,
-                                         mounts)
+                                         mounts, name=f"sglang-e2e-{os.getpid()}-{port}")
         process_env = None
         if opts.launcher == "local":
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path

@@ -22,6 +22,7 @@ image names pinned in sglang.pin.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -139,14 +140,16 @@ def _pgid(pid: int) -> int | None:
 
 
 def launch_command(launcher: str, python: str, image: str | None, env: dict[str, str], args: list[str],
-                   gpus: list[str], mounts: tuple[str, ...] = ()) -> list[str]:
-    """The command that starts one server: in a container (docker) or on this host (local)."""
+                   gpus: list[str], mounts: tuple[str, ...] = (), name: str | None = None) -> list[str]:
+    """The command that starts one server: in a container (docker; `name`, its container's
+    name, lets a stop remove it) or on this host (local)."""
     serve = ["-m", "sglang.launch_server", *args]
     if launcher == "local":
         return [python, *serve]
     if not image:
         raise ValueError("--launcher docker needs an image for this variant")
-    command = ["docker", "run", "--rm", "--gpus", f'"device={",".join(gpus)}"', "--ipc=host", "--network=host",
+    command = ["docker", "run", "--rm", *(["--name", name] if name else []), "--gpus", f'"device={",".join(gpus)}"',
+               "--ipc=host", "--network=host",
                "-v", f"{os.path.expanduser('~')}/.cache/huggingface:/root/.cache/huggingface"]
     for mount in mounts:
         command += ["-v", f"{mount}:{mount}:ro"]
@@ -277,6 +280,12 @@ class Server:
     def stop(self, grace: float = 30) -> None:
         if self.process is not None:
             stop(self.process, grace)
+        # A docker client killed by SIGKILL leaves its container serving (and holding the
+        # GPU and the port): remove it by name.
+        if self.command[:2] == ["docker", "run"] and "--name" in self.command:
+            name = self.command[self.command.index("--name") + 1]
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
 
     def kill(self) -> None:
         if self.running():

@@ -182,6 +182,29 @@ def test_a_stop_escalates_to_kill_when_sigterm_is_ignored(tree, tmp_path):
     assert 1.5 <= time.time() - began < 20
 
 
+def test_a_docker_server_whose_client_is_killed_has_its_container_removed(tmp_path, monkeypatch):
+    # The docker client proxies SIGTERM to its container, but a client killed by SIGKILL
+    # leaves the container serving: the stop removes it by the name it was started under.
+    bin_dir, calls = tmp_path / "bin", tmp_path / "docker-calls"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$*" >> {calls}
+        [ "$1" = run ] && {{ trap '' TERM; sleep 600; }}
+        exit 0
+        """))
+    (bin_dir / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    command = servers.launch_command("docker", "python3", "img", {}, ["--port", "1"], ["0"], name="sglang-e2e-9-1")
+    server = servers.Server(command, servers.free_port_block(1), tmp_path / "s.log")
+    server.start()
+    time.sleep(0.5)
+    server.stop(grace=0.5)
+    assert server.process.returncode == -signal.SIGKILL
+    run, rm = calls.read_text().splitlines()
+    assert run.startswith("run --rm --name sglang-e2e-9-1 ") and rm == "rm -f sglang-e2e-9-1"
+
+
 def test_a_restart_appends_to_the_log_and_kill_is_immediate(tree, tmp_path):
     server = stand_in(tree, tmp_path, FAKE_IGNORE_TERM="1")
     for banner in ("== first ==", "== second =="):

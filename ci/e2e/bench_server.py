@@ -14,6 +14,8 @@ GPU (CUDA graphs as SGLang captures them by default), from the trees the compari
   kvcached-contiguous  patched tree, ENABLE_KVCACHED=true, KVCACHED_CONTIGUOUS_LAYOUT=true, HiCache on
   kvcached-per-layer   the same, KVCACHED_CONTIGUOUS_LAYOUT=false
   native-no-hicache    pristine tree, kvcached off, HiCache off
+  kvcached-no-hicache  patched tree, kvcached contiguous, HiCache off: divided by native-no-hicache,
+                       it is kvcached's own cost, which HiCache's copies (the series') do not touch
 Every server caps its device pool (--max-total-tokens, --device-tokens) below the working
 set, so that most prefix hits come back from host, and gets a host pool that holds the
 working set (--hicache-ratio, by default the smallest that does, with a fifth to spare).
@@ -122,6 +124,7 @@ class Variant:
     tree: str                  # "pristine" (SGLang 0.5.20 as released) or "patched" (the series)
     layout: str | None         # kvcached's layout; None: kvcached off
     hicache: bool
+    baseline: str = "native"   # the variant its ratios divide by
 
 
 VARIANTS = {v.name: v for v in (
@@ -129,6 +132,7 @@ VARIANTS = {v.name: v for v in (
     Variant("kvcached-contiguous", "patched", "contiguous", True),
     Variant("kvcached-per-layer", "patched", "per-layer", True),
     Variant("native-no-hicache", "pristine", None, False),
+    Variant("kvcached-no-hicache", "patched", "contiguous", False, baseline="native-no-hicache"),
 )}
 BASELINE = "native"
 
@@ -274,8 +278,9 @@ def workload(turns: int) -> str:
 # ---- arithmetic and report ---------------------------------------------------------------
 
 def summarize(runs: list[dict], variants: list[str]) -> dict:
-    """Per variant: each metric's values by round, its ratios to native's value of the same
-    round, their median and spread; the cached tokens by tier."""
+    """Per variant: each metric's values by round, its ratios to its baseline's value of the
+    same round (native's, but kvcached-no-hicache's are to native-no-hicache's), their median
+    and spread; the cached tokens by tier."""
     rounds = sorted({r["round"] for r in runs})
     got = {(r["round"], r["variant"]): r for r in runs if r.get("metrics")}
     out = {}
@@ -283,7 +288,8 @@ def summarize(runs: list[dict], variants: list[str]) -> dict:
         entry = {"metrics": {}, "cache": {}}
         for m, _, _ in METRICS:
             values = [got[(k, v)]["metrics"].get(m) if (k, v) in got else None for k in rounds]
-            base = [got[(k, BASELINE)]["metrics"].get(m) if (k, BASELINE) in got else None for k in rounds]
+            b = VARIANTS[v].baseline
+            base = [got[(k, b)]["metrics"].get(m) if (k, b) in got else None for k in rounds]
             ratios = [x / b if x is not None and b else None for x, b in zip(values, base)]
             have, rs = [x for x in values if x is not None], [x for x in ratios if x is not None]
             entry["metrics"][m] = {
@@ -299,7 +305,7 @@ def summarize(runs: list[dict], variants: list[str]) -> dict:
                           "host_share": host / (device + host) if device + host else None,
                           "per_round": [{k: c.get(k) for k in ("device_cached_tokens", "host_cached_tokens",
                                                                "total_cached_tokens")} for c in caches]}
-        if v != BASELINE and VARIANTS[v].layout:
+        if VARIANTS[v].layout and VARIANTS[v].hicache:
             entry["targets"] = {m: target_verdict(entry["metrics"][m], t) for m, t in TARGETS.items()}
         out[v] = entry
     return out
@@ -383,7 +389,8 @@ def render(report: dict) -> str:
                              for st in (e["metrics"][m] for m, _, _ in METRICS)]
                 ca = e["cache"]
                 share = "-" if ca["host_share"] is None else f"{100 * ca['host_share']:.0f} %"
-                lines.append(f"| {v}{' (values)' if v == BASELINE else ''} | " + " | ".join(cells)
+                of = f" (to {VARIANTS[v].baseline})" if VARIANTS[v].baseline != BASELINE else ""
+                lines.append(f"| {v}{' (values)' if v == BASELINE else of} | " + " | ".join(cells)
                              + f" | {ca['device_tokens']} / {ca['host_tokens']} ({share}) |")
             for v, e in w["summary"].items():
                 if e.get("targets"):
@@ -417,7 +424,8 @@ def plot(report: dict, path: Path) -> bool:
             mid = [s["ratio"] or 0 for s in stats]
             low = [(s["ratio"] or 0) - (s["min"] or 0) for s in stats]
             high = [(s["max"] or 0) - (s["ratio"] or 0) for s in stats]
-            ax.bar(xs, mid, width, yerr=[low, high], capsize=3, label=v)
+            of = f" (to {VARIANTS[v].baseline})" if VARIANTS[v].baseline != BASELINE else ""
+            ax.bar(xs, mid, width, yerr=[low, high], capsize=3, label=v + of)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(METRICS)), [label for _, label, _ in METRICS])
         ax.set_ylabel("ratio to native")
@@ -679,8 +687,8 @@ def options(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print each server's and the first client's command, exit")
     ap.add_argument("--out", default="build/bench-server", help="folder of the report and everything else")
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                    help="native is the baseline: always among them")
+    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "kvcached-no-hicache"],
+                    choices=list(VARIANTS), help="native is the baseline: always among them")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant once (3 at least for a spread)")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds of every variant once before those, left out of the ratios (the first runs "
@@ -720,6 +728,8 @@ def options(argv=None):
         return opts
     if BASELINE not in opts.variants or len(set(opts.variants)) != len(opts.variants):
         ap.error("--variants must name native (the baseline) and each variant once")
+    if missing := [f"{v} needs {VARIANTS[v].baseline}" for v in opts.variants if VARIANTS[v].baseline not in opts.variants]:
+        ap.error(f"--variants: {', '.join(missing)} (its ratios divide by it)")
     if opts.rounds < 1 or opts.warmup_rounds < 0 or min(opts.turns) < 1 or len(set(opts.turns)) != len(opts.turns):
         ap.error("--rounds must be at least 1, --warmup-rounds at least 0 and --turns distinct counts of at least 1")
     sizes = Sizes(opts.groups, opts.prompts_per_group, opts.system_prompt_len, opts.question_len, opts.output_len,

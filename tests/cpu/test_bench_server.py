@@ -29,7 +29,8 @@ import servers  # noqa: E402
 pytestmark = pytest.mark.project_files
 VARIANTS = ["native", "kvcached-contiguous", "kvcached-per-layer", "native-no-hicache"]
 IDENTITY = {"native": (None, True), "kvcached-contiguous": ("contiguous", True),
-            "kvcached-per-layer": ("per-layer", True), "native-no-hicache": (None, False)}
+            "kvcached-per-layer": ("per-layer", True), "native-no-hicache": (None, False),
+            "kvcached-no-hicache": ("contiguous", False)}
 SMALL = ["--groups", "2", "--prompts-per-group", "2", "--system-prompt-len", "48", "--question-len", "8",
          "--output-len", "4", "--concurrency", "2", "--device-tokens", "4096", "--ready-timeout", "60",
          "--bench-timeout", "240"]
@@ -138,6 +139,23 @@ def test_a_failed_client_or_a_dead_server_is_a_problem_and_the_rest_is_kept(tree
     assert w["summary"]["native-no-hicache"]["metrics"]["request_throughput"]["ratios"] == pytest.approx(
         [expected("native-no-hicache", r, 0) / expected("native", r, 0) for r in range(3)])
     assert "## Problems" in (out / "summary.md").read_text()
+
+
+def test_kvcached_without_hicache_is_judged_against_native_without_hicache(trees, tmp_path):
+    # kvcached's own cost, apart from HiCache's copies: its ratios divide by native-no-hicache's
+    out = tmp_path / "run"
+    variants = ["native", "native-no-hicache", "kvcached-no-hicache"]
+    assert bench.main([*trees, *SMALL, *fake_client(), "--out", str(out), "--warmup-rounds", "0",
+                       "--variants", *variants]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["problems"] == []
+    w = report["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]
+    own = w["summary"]["kvcached-no-hicache"]
+    assert own["metrics"]["request_throughput"]["ratios"] == pytest.approx(
+        [expected("kvcached-no-hicache", r, 0) / expected("native-no-hicache", r, 0) for r in range(3)])
+    assert own["cache"]["host_tokens"] == 0 and "targets" not in own
+    assert any(line.startswith("| kvcached-no-hicache (to native-no-hicache) |")
+               for line in (out / "summary.md").read_text().splitlines())
 
 
 def test_runs_past_the_deadline_are_not_run_and_say_so(trees, tmp_path):
@@ -252,7 +270,8 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
                           (["--rounds", "0"], "--rounds must be at least 1"),
                           (["--device-tokens", "1000"], "would not fit in a device pool of 1000"),
                           (["--hicache-ratio", "1"], "--hicache-ratio must be at least 2"),
-                          (["--env", "NOEQUALS"], "KEY=VALUE")):
+                          (["--env", "NOEQUALS"], "KEY=VALUE"),
+                          (["--variants", "native", "kvcached-no-hicache"], "kvcached-no-hicache needs native-no-hicache")):
         with pytest.raises(SystemExit) as exc:
             bench.options(args)
         assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -266,7 +267,7 @@ class Runner:
         if opts.launcher == "docker" and plugins:
             env["PYTHONPATH"] = ":".join(plugins)
         command = servers.launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus,
-                                         mounts, name=f"sglang-e2e-{os.getpid()}-{port}")
+                                         mounts, name=f"sglang-e2e-{port}-{uuid.uuid4().hex[:12]}")
         process_env = None
         if opts.launcher == "local":
             tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path

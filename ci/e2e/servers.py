@@ -280,17 +280,22 @@ class Server:
     def stop(self, grace: float = 30) -> None:
         if self.process is not None:
             stop(self.process, grace)
-        # A docker client killed by SIGKILL leaves its container serving (and holding the
-        # GPU and the port): remove it by name.
-        if self.command[:2] == ["docker", "run"] and "--name" in self.command:
-            name = self.command[self.command.index("--name") + 1]
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+            self.remove_container()
 
     def kill(self) -> None:
         if self.running():
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
+            self.remove_container()
+
+    def remove_container(self) -> None:
+        """A docker client killed by SIGKILL leaves its container serving (holding the GPU
+        and the port): remove it by the name it was started under. Not when `docker run`
+        failed with 125 (e.g. the name taken): that container is not this server's."""
+        if self.command[:2] == ["docker", "run"] and "--name" in self.command and self.process.returncode != 125:
+            name = self.command[self.command.index("--name") + 1]
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
 
 
 def stop_all(members) -> None:

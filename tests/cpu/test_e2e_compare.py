@@ -1059,6 +1059,8 @@ def test_docker_servers_of_dummy_cases_get_the_plugin(tmp_path, monkeypatch):
     plugin = str(matrix.PLUGIN)
     assert result["outcome"] == "died at startup" and result["env"]["PYTHONPATH"] == plugin
     assert f"{plugin}:{plugin}:ro" in command and f"PYTHONPATH={plugin}" in command
+    # a name of its own, so that a stop can remove a container its killed client left
+    assert command[command.index("--name") + 1].startswith(f"sglang-e2e-{command[command.index('--port') + 1]}-")
 
 
 def test_a_draft_cases_native_must_show_speculative_decoding_ran():

@@ -182,27 +182,64 @@ def test_a_stop_escalates_to_kill_when_sigterm_is_ignored(tree, tmp_path):
     assert 1.5 <= time.time() - began < 20
 
 
-def test_a_docker_server_whose_client_is_killed_has_its_container_removed(tmp_path, monkeypatch):
-    # The docker client proxies SIGTERM to its container, but a client killed by SIGKILL
-    # leaves the container serving: the stop removes it by the name it was started under.
+def fake_docker(tmp_path, monkeypatch) -> Path:
+    """A `docker` on PATH that records its arguments; `run` ignores SIGTERM (so only SIGKILL
+    ends it) once it has written `ready`, or exits 125 (a taken name) with FAKE_DOCKER_125."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "docker-calls"
     bin_dir.mkdir()
     (bin_dir / "docker").write_text(textwrap.dedent(f"""\
         #!/bin/sh
         echo "$*" >> {calls}
-        [ "$1" = run ] && {{ trap '' TERM; sleep 600; }}
+        [ "$1" = run ] && [ -n "$FAKE_DOCKER_125" ] && exit 125
+        [ "$1" = run ] && {{ trap '' TERM; touch {tmp_path / "ready"}; sleep 600; }}
         exit 0
         """))
     (bin_dir / "docker").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    command = servers.launch_command("docker", "python3", "img", {}, ["--port", "1"], ["0"], name="sglang-e2e-9-1")
-    server = servers.Server(command, servers.free_port_block(1), tmp_path / "s.log")
-    server.start()
-    time.sleep(0.5)
-    server.stop(grace=0.5)
-    assert server.process.returncode == -signal.SIGKILL
-    run, rm = calls.read_text().splitlines()
-    assert run.startswith("run --rm --name sglang-e2e-9-1 ") and rm == "rm -f sglang-e2e-9-1"
+    return calls
+
+
+def docker_server(tmp_path, name: str = "sglang-e2e-1-ab") -> servers.Server:
+    command = servers.launch_command("docker", "python3", "img", {}, ["--port", "1"], ["0"], name=name)
+    return servers.Server(command, servers.free_port_block(1), tmp_path / f"{name}.log")
+
+
+def wait_for(path: Path) -> None:
+    deadline = time.time() + 30
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert path.exists()
+
+
+def test_a_docker_server_whose_client_is_killed_has_its_container_removed(tmp_path, monkeypatch):
+    # The docker client proxies SIGTERM to its container, but a client killed by SIGKILL
+    # leaves the container serving: the stop (and a kill) removes it by its name.
+    calls = fake_docker(tmp_path, monkeypatch)
+    for end in ("stop", "kill"):
+        server = docker_server(tmp_path, f"sglang-e2e-1-{end}")
+        server.start()
+        wait_for(tmp_path / "ready")
+        server.stop(grace=0.5) if end == "stop" else server.kill()
+        (tmp_path / "ready").unlink()
+        assert server.process.returncode == -signal.SIGKILL
+        run, rm = calls.read_text().splitlines()[-2:]
+        assert run.startswith(f"run --rm --name sglang-e2e-1-{end} ") and rm == f"rm -f sglang-e2e-1-{end}"
+
+
+def test_a_container_this_server_did_not_start_is_left_alone(tmp_path, monkeypatch):
+    calls = fake_docker(tmp_path, monkeypatch)
+    taken = docker_server(tmp_path, "sglang-e2e-2-taken")
+    with bind(taken.port) as listener:        # the port has a listener: nothing starts
+        listener.listen()
+        assert taken.start() is None
+    taken.stop()
+    assert not calls.exists()
+    monkeypatch.setenv("FAKE_DOCKER_125", "1")   # docker run refused (the name belongs to another container)
+    refused = docker_server(tmp_path, "sglang-e2e-2-refused")
+    refused.start()
+    assert refused.wait_exit(30) and refused.process.returncode == 125
+    refused.stop()
+    assert [line.split()[0] for line in calls.read_text().splitlines()] == ["run"]
 
 
 def test_a_restart_appends_to_the_log_and_kill_is_immediate(tree, tmp_path):

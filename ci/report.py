@@ -112,9 +112,8 @@ def gpu_tier(rows_file: Path) -> str:
              f"{mine[0].get('gpu', '?')}, sgl_kernel: {', '.join(kernels)}.", "",
              "| test | kvcached layout | host layout | io | result |", "|---|---|---|---|---|"]
     lines += [f"| {t} | {k} | {h} | {i} | {', '.join(sorted(set(v)))} |" for (t, k, h, i), v in sorted(results.items())]
-    summaries = sorted(rows_file.parent.glob("*.txt"), reverse=True)
-    lines += ["", "Only a test that passes writes a row: a run's failures are in its summary"
-              + (f" (newest: `{summaries[0].relative_to(ROOT)}`)" if summaries else "") + " and `docs/gpu-results.md`."]
+    lines += ["", "Only a test that passes writes a row: a run's failures are in its summary (the `.txt` files "
+              f"beside `{rows_file.relative_to(ROOT)}`) and `docs/gpu-results.md`."]
     return "\n".join(lines)
 
 

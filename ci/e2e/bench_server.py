@@ -14,8 +14,9 @@ GPU (CUDA graphs as SGLang captures them by default), from the trees the compari
   kvcached-contiguous  patched tree, ENABLE_KVCACHED=true, KVCACHED_CONTIGUOUS_LAYOUT=true, HiCache on
   kvcached-per-layer   the same, KVCACHED_CONTIGUOUS_LAYOUT=false
   native-no-hicache    pristine tree, kvcached off, HiCache off
-  kvcached-no-hicache  patched tree, kvcached contiguous, HiCache off: divided by native-no-hicache,
-                       it is kvcached's own cost, which HiCache's copies (the series') do not touch
+  kvcached-no-hicache  patched tree, kvcached contiguous, HiCache off; only when named (with
+                       native-no-hicache, which it is divided by): kvcached's own cost, apart
+                       from HiCache's copies (the series')
 Every server caps its device pool (--max-total-tokens, --device-tokens) below the working
 set, so that most prefix hits come back from host, and gets a host pool that holds the
 working set (--hicache-ratio, by default the smallest that does, with a fifth to spare).
@@ -26,12 +27,13 @@ generated-shared-prefix` (groups of prompts sharing a system prompt; with --turn
 multi-turn conversations over the chat endpoint, `--gsp-num-turns T`), `--cache-report`
 (device and host hit tokens), `--flush-cache` after its warm-up request (every run starts
 from empty caches, device and host: SGLang 0.5.20's flush clears both), the same seed (the
-same prompts) everywhere. Each variant's result is divided by native's of the same round:
+same prompts) everywhere. Each variant's result is divided by its baseline's of the same
+round (native's; kvcached-no-hicache's by native-no-hicache's):
 the report gives, per metric (request and output token throughput, TTFT mean / p50 / p99,
 ITL p50), the median of those per-round ratios and their spread (min, max over rounds),
-native's own values and spread, and the device/host split of the cached tokens; against
-the targets (kvcached >= 0.98 of native's throughput, TTFT within 1.02x): met, short only
-within the spread, or short beyond it.
+native's own values and spread, and the device/host split of the cached tokens; the
+kvcached variants with HiCache on against the targets (>= 0.98 of native's throughput,
+TTFT within 1.02x): met, short only within the spread, or short beyond it.
 
 Files under --out: report.json (every run, rewritten as the run goes), summary.md (the
 markdown, also `--render`), ratios.png (with matplotlib), raw/ (bench_serving's own JSONL
@@ -288,8 +290,8 @@ def summarize(runs: list[dict], variants: list[str]) -> dict:
         entry = {"metrics": {}, "cache": {}}
         for m, _, _ in METRICS:
             values = [got[(k, v)]["metrics"].get(m) if (k, v) in got else None for k in rounds]
-            b = VARIANTS[v].baseline
-            base = [got[(k, b)]["metrics"].get(m) if (k, b) in got else None for k in rounds]
+            baseline = VARIANTS[v].baseline
+            base = [got[(k, baseline)]["metrics"].get(m) if (k, baseline) in got else None for k in rounds]
             ratios = [x / b if x is not None and b else None for x, b in zip(values, base)]
             have, rs = [x for x in values if x is not None], [x for x in ratios if x is not None]
             entry["metrics"][m] = {
@@ -368,7 +370,7 @@ def render(report: dict) -> str:
              f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds"
              + (f" after {c['warmup_rounds']} not counted (warm-up)" if c.get("warmup_rounds") else "")
              + f", each variant once a round, the order rotated; every variant's value divided by native's of "
-             f"the same round: median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
+             f"the same round (a row that names another baseline: by that one's): median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
              f"Device pool {c['sizes']['device_tokens']} tokens; {c['sizes']['groups']} groups x "
              f"{c['sizes']['prompts_per_group']} prompts, system prompt {c['sizes']['system_prompt_len']}, question "
              f"{c['sizes']['question_len']}, output {c['sizes']['output_len']} tokens, {c['sizes']['concurrency']} "
@@ -428,7 +430,7 @@ def plot(report: dict, path: Path) -> bool:
             ax.bar(xs, mid, width, yerr=[low, high], capsize=3, label=v + of)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(METRICS)), [label for _, label, _ in METRICS])
-        ax.set_ylabel("ratio to native")
+        ax.set_ylabel("ratio to native (or the baseline named)")
         ax.set_title(f"{shape}, {name}")
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -109,8 +109,7 @@ class Runner:
     def stop_all(self, *_) -> None:
         """On SIGTERM/SIGINT: start no more rows, stop every server still running, exit."""
         self.stopping = True
-        for server in list(self.live):
-            server.stop()
+        servers.stop_all(list(self.live))      # side by side: each may wait out its grace
         for master in list(self.masters):
             master.stop()
         raise SystemExit(f"stopped; finished rows are in {self.journal}")

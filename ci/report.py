@@ -91,7 +91,15 @@ def e2e(folder: Path) -> str:
     return "\n\n".join(tool("ci/e2e/compare_servers.py", "--table", str(r)) for r in reports)
 
 
+def differential_rendered(folder: Path) -> bool:
+    return (folder / "patched.json.gz").is_file() or (folder / "differential.log").is_file()
+
+
 def differential(folder: Path) -> str:
+    """The outcome documents' table; for a run that kept only the pair's printout, that."""
+    if not (folder / "patched.json.gz").is_file():
+        printed = (folder / "differential.log").read_text().strip()
+        return f"The pair's summary (`differential.log`; the outcome documents were not kept):\n\n```\n{printed}\n```"
     sys.path.insert(0, str(ROOT))
     from tests.support.differential.compare import summary_table
     docs = [json.loads(gzip.decompress(first(folder, f"{n}.json.gz").read_bytes())) for n in ("pristine", "patched")]
@@ -129,7 +137,7 @@ def render() -> str:
                    folders(BENCH, lambda p: (p / "report.json").is_file()),
                    lambda f: demoted(tool("ci/e2e/bench_server.py", "--render", str(f / "report.json"))))
     out += section("Differential gate on a GPU (pristine vs patched, dense pools)",
-                   folders(RUNS / "differential", lambda p: (p / "patched.json.gz").is_file()), differential)
+                   folders(RUNS / "differential"), differential, differential_rendered)
     out += ["## GPU tier (`tests/gpu`, `docs/runs/gpu-tier/results.jsonl`)", "",
             gpu_tier(RUNS / "gpu-tier" / "results.jsonl"), ""]
     out += section("Transfers (`make bench`, `bench/transfer_bench.py --table`)",

@@ -32,12 +32,17 @@ def test_a_newer_run_is_rendered_and_an_edit_is_caught(tmp_path):
     old = sorted((ROOT / "docs" / "runs" / "e2e").glob("*/report.json.gz"))[-1]
     shutil.copy2(old, newer / "report.json.gz")
     (newer / "README.md").write_text("# a planted run\n")
+    printout = copy / "docs" / "runs" / "differential" / "2999-01-01-printout"  # its outcome documents not kept
+    printout.mkdir()
+    (printout / "differential.log").write_text("patched: 9 cases, 90 steps, 0 not run\nidentical\n")
+    (printout / "README.md").write_text("# a printout only\n")
     out = copy / "docs" / "results.md"
     assert report("--out", str(out), cwd=copy).returncode == 0
     text = out.read_text()
     assert "### `docs/runs/e2e/2999-01-01-planted`" in text and "a planted run" in text
     assert f"- `docs/runs/e2e/{old.parent.name}`" in text  # listed, no longer rendered
     assert "matches native" in text
+    assert "### `docs/runs/differential/2999-01-01-printout`" in text and "patched: 9 cases, 90 steps" in text
     out.write_text(text.replace("matches native", "matched", 1))
     proc = report("--out", str(out), "--check", cwd=copy)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "make report" in proc.stderr

@@ -60,7 +60,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
-from compare_servers import patches_state  # noqa: E402  (the series digest)
 
 CLIENT_STANDIN = HERE.parent / "rig" / "standin" / "bench_client"
 
@@ -474,7 +473,7 @@ class Bench:
                        "kvcached_max_cached_tokens": opts.kvcached_max_cached_tokens,
                        "server_flags": self.extra_flags, "env": self.extra_env, "gpu": opts.gpu,
                        "client": self.client},
-            "patches": patches_state()["digest"], "shapes": {}, "problems": []}
+            "patches": servers.patches_state()["digest"], "shapes": {}, "problems": []}
 
     def log(self, text: str) -> None:
         print(f"[{time.time() - self.started:6.0f} s] {text}", flush=True)

@@ -65,9 +65,6 @@ import mooncake_store  # noqa: E402
 import servers  # noqa: E402
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
-sys.path.insert(2, str(ROOT / "scripts"))
-import _series  # noqa: E402  (the series digest)
-
 
 def generate(server: servers.Server, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
     payload = {"input_ids": ids,
@@ -326,14 +323,6 @@ class Runner:
         return passes
 
 
-def patches_state(patches: Path = ROOT / "patches") -> dict:
-    """The series digest (scripts/_series.py's, which scripts/apply records in the tree) and
-    the sha256 of patches/series and of each patch it lists."""
-    series = _series.Series(patches)
-    return {"digest": series.digest,
-            "files": {name: _series.sha((patches / name).read_bytes()) for name in ["series", *series.patches]}}
-
-
 def environment(opts) -> dict:
     """What ran: GPU, driver, Python and the versions the servers import, stand-ins named."""
     if opts.launcher == "local":
@@ -435,7 +424,7 @@ def main(argv=None) -> int:
     plan = matrix.Plan()
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:], "trees": trees,
-              "patches": patches_state(), "environment": environment(opts), "plan": asdict(plan),
+              "patches": servers.patches_state(), "environment": environment(opts), "plan": asdict(plan),
               "logprob_tol": opts.logprob_tol}
     runner = Runner(opts, plan)
     order = matrix.run_order(rows)

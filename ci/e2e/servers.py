@@ -12,13 +12,14 @@ session, so a stop reaches every process it started: scheduler, detokenizer, TP 
                 port taken, "port N answered by another process" where the answer came
                 from a process outside this server's group;
   post()        a JSON request to it;
-  stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once.
+  stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once;
+                either removes the container a docker server's killed client left.
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
 range, the launch command of the `local` (this host, a tree first on PYTHONPATH) and
 `docker` launchers, the process environment of a local server, whether a module it needs
 is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE options, the state of a
-tree (scripts/status) and what ran (GPU, driver, the versions a tree imports), and the
-image names pinned in sglang.pin.
+tree (scripts/status), the series digest, what ran (GPU, driver, the versions a tree
+imports), and the image names pinned in sglang.pin.
 """
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def official_image(pin: dict[str, str] | None = None) -> str:
 def project_image(pin: dict[str, str] | None = None) -> str:
     """The tag `make image` gives this project's image."""
     return f"sglang-elastic-hicache:{(pin or pinned())['SGLANG_VERSION']}"
+
+
+def patches_state(patches: Path = ROOT / "patches") -> dict:
+    """The series digest (scripts/_series.py's, which scripts/apply records in the tree) and
+    the sha256 of patches/series and of each patch it lists."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import _series  # the series scripts' own reading of patches/ (imported here: it reads sglang.pin)
+    series = _series.Series(patches)
+    return {"digest": series.digest,
+            "files": {name: _series.sha((patches / name).read_bytes()) for name in ["series", *series.patches]}}
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

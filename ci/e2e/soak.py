@@ -50,7 +50,6 @@ import soak_fleet as fleets  # noqa: E402
 import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
-from compare_servers import patches_state  # noqa: E402  (the series digest)
 from real_kernels import sgl_kernel_calls  # noqa: E402
 
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")
@@ -101,7 +100,7 @@ class Soak:
                 "server_flags": o.server_flags, "env": o.env, "python": o.python,
                 "catalogue_tokens": {n: c.distinct_tokens() for n, c in cats.items()},
                 "catalogue_prompts": {n: len(c.prompts) for n, c in cats.items()},
-                "patches": patches_state()["digest"]}
+                "patches": servers.patches_state()["digest"]}
 
     @property
     def journal(self) -> fleets.Journal:

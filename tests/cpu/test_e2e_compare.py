@@ -494,17 +494,17 @@ def test_patches_state_tracks_every_listed_patch(tmp_path):
     copy_dir.mkdir()
     for f in (ROOT / "patches").iterdir():
         (copy_dir / f.name).write_bytes(f.read_bytes())
-    before = e2e.patches_state(copy_dir)
-    assert before == e2e.patches_state(ROOT / "patches")
+    before = servers.patches_state(copy_dir)
+    assert before == servers.patches_state(ROOT / "patches")
     listed = [n for n in before["files"] if n != "series"]
     assert listed and all(n.endswith(".patch") for n in listed)
     last = copy_dir / listed[-1]
     last.write_bytes(last.read_bytes() + b"\n")
-    after = e2e.patches_state(copy_dir)
+    after = servers.patches_state(copy_dir)
     assert after["digest"] != before["digest"] and after["files"][listed[-1]] != before["files"][listed[-1]]
     series = copy_dir / "series"
     series.write_text(series.read_text() + "# a comment changes no patch, but the series file\n")
-    assert e2e.patches_state(copy_dir)["digest"] != after["digest"]
+    assert servers.patches_state(copy_dir)["digest"] != after["digest"]
 
 
 # A stand-in for `python -m sglang.launch_server`: answers /health_generate and /generate
@@ -617,7 +617,7 @@ def test_runner_end_to_end_against_a_stand_in_server(fake_trees, tmp_path, capsy
     assert set(rows) == {f"qwen2-tiny/page_first/{v}" for v in
                          ("native", "elastic-contiguous", "elastic-per-layer", "pristine-contiguous")} | {
                         f"qwen2-tiny/page_first/l3/{v}" for v in ("native", "elastic-contiguous", "elastic-per-layer")}
-    assert report["problems"] == [] and report["patches"] == e2e.patches_state()
+    assert report["problems"] == [] and report["patches"] == servers.patches_state()
     assert rows["qwen2-tiny/page_first/native"]["result"] == "oracle"
     assert rows["qwen2-tiny/page_first/elastic-contiguous"]["result"] == "matches native"
     pristine = rows["qwen2-tiny/page_first/pristine-contiguous"]

@@ -369,7 +369,8 @@ def render(report: dict) -> str:
              f"SGLang's own client (`python -m sglang.bench_serving`, generated-shared-prefix), {c['rounds']} rounds"
              + (f" after {c['warmup_rounds']} not counted (warm-up)" if c.get("warmup_rounds") else "")
              + f", each variant once a round, the order rotated; every variant's value divided by native's of "
-             f"the same round (a row that names another baseline: by that one's): median ratio (min-max over rounds). Throughput: higher is better; TTFT and ITL: lower. "
+             f"the same round (a row that names another baseline: by that one's): median ratio (min-max over "
+             f"rounds). Throughput: higher is better; TTFT and ITL: lower. "
              f"Device pool {c['sizes']['device_tokens']} tokens; {c['sizes']['groups']} groups x "
              f"{c['sizes']['prompts_per_group']} prompts, system prompt {c['sizes']['system_prompt_len']}, question "
              f"{c['sizes']['question_len']}, output {c['sizes']['output_len']} tokens, {c['sizes']['concurrency']} "

@@ -70,7 +70,8 @@ def project_image(pin: dict[str, str] | None = None) -> str:
 def patches_state(patches: Path = ROOT / "patches") -> dict:
     """The series digest (scripts/_series.py's, which scripts/apply records in the tree) and
     the sha256 of patches/series and of each patch it lists."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
     import _series  # the series scripts' own reading of patches/ (imported here: it reads sglang.pin)
     series = _series.Series(patches)
     return {"digest": series.digest,

@@ -52,6 +52,12 @@ def title(folder: Path) -> str:
     return readme.read_text().splitlines()[0].lstrip("# ").strip() if readme.is_file() else folder.name
 
 
+def transfer_runs(folder: Path) -> list[Path]:
+    """A transfer benchmark run's JSON files (one per invocation, pooled by --table); a
+    server benchmark's folder holds report.json instead."""
+    return [] if (folder / "report.json").is_file() else sorted(folder.glob("*.json"))
+
+
 def listed(folder: Path) -> str:
     return f"- `{folder.relative_to(ROOT)}`: {title(folder)}"
 
@@ -141,8 +147,8 @@ def render() -> str:
     out += ["## GPU tier (`tests/gpu`, `docs/runs/gpu-tier/results.jsonl`)", "",
             gpu_tier(RUNS / "gpu-tier" / "results.jsonl"), ""]
     out += section("Transfers (`make bench`, `bench/transfer_bench.py --table`)",
-                   folders(BENCH, lambda p: (p / "results.json").is_file() and "rounds" in p.name),
-                   lambda f: tool("bench/transfer_bench.py", "--table", str(f / "results.json")))
+                   folders(BENCH, lambda p: bool(transfer_runs(p))),
+                   lambda f: tool("bench/transfer_bench.py", "--table", *map(str, transfer_runs(f))))
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -888,7 +888,8 @@ def table(rows: list[dict]) -> str:
     if rounds:   # fewer for a cell that a cut-short run left out of its last rounds
         counted = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
         lines.append(f"each cell: the median over its {counted} rounds of the variants in alternating order")
-    lines.append(f"\npinned copy (1 GiB): D2H {link.get('backup', 0):.1f} GB/s, H2D {link.get('load', 0):.1f} GB/s")
+    lines.append(f"\npinned copy (1 GiB): D2H {link['backup']:.1f} GB/s, H2D {link['load']:.1f} GB/s"
+                 if {"backup", "load"} <= link.keys() else "\npinned copy: not measured (no link part)")
     return "\n".join(lines)
 
 

@@ -306,3 +306,10 @@ def test_a_committed_run_tables_on_a_machine_without_a_gpu():
     assert "byte-exact load-back checks: 8 of 8 pass" in proc.stdout
     assert "pinned copy (1 GiB): D2H 55.3 GB/s, H2D 55.5 GB/s" in proc.stdout
 
+
+
+def test_a_run_without_the_link_part_says_so_instead_of_a_zero_link():
+    proc = cli("--table", *(f"bench/results/2026-12-04-h200-six-patches/{p}.json" for p in ("mha", "mla", "mamba")))
+    assert proc.returncode == 0, proc.stderr
+    assert "byte-exact load-back checks: 15 of 15 pass" in proc.stdout
+    assert "pinned copy: not measured (no link part)" in proc.stdout and "0.0 GB/s" not in proc.stdout

@@ -307,7 +307,6 @@ def test_a_committed_run_tables_on_a_machine_without_a_gpu():
     assert "pinned copy (1 GiB): D2H 55.3 GB/s, H2D 55.5 GB/s" in proc.stdout
 
 
-
 def test_a_run_without_the_link_part_says_so_instead_of_a_zero_link():
     proc = cli("--table", *(f"bench/results/2026-12-04-h200-six-patches/{p}.json" for p in ("mha", "mla", "mamba")))
     assert proc.returncode == 0, proc.stderr

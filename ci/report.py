@@ -5,7 +5,8 @@ by the tool that made it, the older runs listed by name with their READMEs' firs
     python3 ci/report.py [--out docs/results.md] [--check]
 
 A tier's runs are the folders under its place (docs/runs/<tier>/, bench/results/) named
-<date>-<what>; the newest date's folders are rendered, each through its own renderer
+<date>-<what>; the newest date's folders are rendered (server benchmarks: the newest run
+of each shape), each through its own renderer
 (compare_servers.py --table, bench_server.py --render, transfer_bench.py --table,
 tests.support.differential.compare, the GPU tier's rows of its newest series). --check
 exits 1 when the file differs from what the runs render (it is regenerated, never edited).
@@ -69,9 +70,24 @@ def demoted(markdown: str) -> str:
     return "\n".join("##" + line if line.startswith("#") else line for line in lines).strip()
 
 
-def section(name: str, runs: list[Path], render, renders=lambda folder: True) -> list[str]:
-    """The newest date's runs that ``renders`` accepts, rendered; every other run listed."""
-    shown, _ = newest([p for p in runs if renders(p)])
+def newest_of_each_shape(runs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Server benchmark runs: the newest (by its start) that ran each shape, then the rest. A
+    run of one shape does not hide another shape's newest run."""
+    started = {run: json.loads((run / "report.json").read_text()) for run in runs}
+    shown, seen = [], set()
+    for run in sorted(runs, key=lambda r: started[r]["started"], reverse=True):
+        shapes = {name for name, shape in started[run]["shapes"].items()
+                  if any("metrics" in r for w in shape["workloads"].values() for r in w["runs"])}
+        if shapes - seen:
+            shown.append(run)
+            seen |= shapes
+    return shown, [r for r in runs if r not in shown]
+
+
+def section(name: str, runs: list[Path], render, renders=lambda folder: True, pick=newest) -> list[str]:
+    """The runs that ``renders`` accepts and ``pick`` shows (default: the newest date's), rendered;
+    every other run listed."""
+    shown, _ = pick([p for p in runs if renders(p)])
     lines = [f"## {name}", ""]
     if not shown:
         lines += ["No committed run.", ""]
@@ -141,7 +157,8 @@ def render() -> str:
                    folders(RUNS / "e2e"), e2e, e2e_reports)
     out += section("Server benchmark: SGLang's bench_serving (`make bench-server`)",
                    folders(BENCH, lambda p: (p / "report.json").is_file()),
-                   lambda f: demoted(tool("ci/e2e/bench_server.py", "--render", str(f / "report.json"))))
+                   lambda f: demoted(tool("ci/e2e/bench_server.py", "--render", str(f / "report.json"))),
+                   pick=newest_of_each_shape)
     out += section("Differential gate on a GPU (pristine vs patched, dense pools)",
                    folders(RUNS / "differential"), differential, differential_rendered)
     out += ["## GPU tier (`tests/gpu`, `docs/runs/gpu-tier/results.jsonl`)", "",

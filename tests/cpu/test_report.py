@@ -1,4 +1,5 @@
 """ci/report.py: docs/results.md is what the committed runs render (`make report`)."""
+import json
 import shutil
 import subprocess
 import sys
@@ -46,3 +47,35 @@ def test_a_newer_run_is_rendered_and_an_edit_is_caught(tmp_path):
     out.write_text(text.replace("matches native", "matched", 1))
     proc = report("--out", str(out), "--check", cwd=copy)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "make report" in proc.stderr
+
+
+def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(tmp_path):
+    """bench-server runs are one shape each: a newer MLA run must not hide the newest MHA
+    run; an older run of a shown shape is listed only. "Newest" is the run's start, not its name."""
+    copy = tmp_path / "p"
+    for part in ("ci", "docs", "bench", "tests", "scripts", "patches", "sglang.pin"):
+        src = ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, copy / part)
+    bench = copy / "bench" / "results"
+    for run in [p for p in bench.iterdir() if (p / "report.json").is_file()]:
+        shutil.rmtree(run)
+    runs = {p.parent.name: json.loads((p).read_text()) for p in (ROOT / "bench" / "results").glob("*/report.json")}
+    one_shape = next(r for r in runs.values() if set(r["shapes"]) == {"llama3-8b"})
+
+    def plant(name: str, started: str, shape: str) -> None:
+        report = json.loads(json.dumps(one_shape))
+        report["started"], report["shapes"] = started, {shape: report["shapes"]["llama3-8b"]}
+        (bench / name).mkdir()
+        (bench / name / "report.json").write_text(json.dumps(report))
+        (bench / name / "README.md").write_text(f"# {name}\n")
+
+    plant("2999-01-01-z-mha-older", "2999-01-01 01:00:00 UTC", "llama3-8b")
+    plant("2999-01-01-a-mha-newer", "2999-01-01 02:00:00 UTC", "llama3-8b")
+    plant("2999-01-02-mla", "2999-01-02 01:00:00 UTC", "deepseek-v2-lite")
+    out = copy / "docs" / "results.md"
+    assert report("--out", str(out), cwd=copy).returncode == 0
+    text = out.read_text()
+    assert "### `bench/results/2999-01-02-mla`" in text
+    assert "### `bench/results/2999-01-01-a-mha-newer`" in text
+    assert "### `bench/results/2999-01-01-z-mha-older`" not in text
+    assert "- `bench/results/2999-01-01-z-mha-older`" in text

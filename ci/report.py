@@ -77,7 +77,7 @@ def newest_of_each_shape(runs: list[Path]) -> tuple[list[Path], list[Path]]:
     shown, seen = [], set()
     for run in sorted(runs, key=lambda r: started[r]["started"], reverse=True):
         shapes = {name for name, shape in started[run]["shapes"].items()
-                  if any("metrics" in r for w in shape["workloads"].values() for r in w["runs"])}
+                  if any(r.get("metrics") for w in shape["workloads"].values() for r in w["runs"])}
         if shapes - seen:
             shown.append(run)
             seen |= shapes

@@ -62,9 +62,12 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     runs = {p.parent.name: json.loads((p).read_text()) for p in (ROOT / "bench" / "results").glob("*/report.json")}
     one_shape = next(r for r in runs.values() if set(r["shapes"]) == {"llama3-8b"})
 
-    def plant(name: str, started: str, shape: str) -> None:
+    def plant(name: str, started: str, shape: str, failed: bool = False) -> None:
         report = json.loads(json.dumps(one_shape))
         report["started"], report["shapes"] = started, {shape: report["shapes"]["llama3-8b"]}
+        for workload in report["shapes"][shape]["workloads"].values():
+            for run in workload["runs"] if failed else []:  # a failed client run keeps empty metrics
+                run["metrics"] = {}
         (bench / name).mkdir()
         (bench / name / "report.json").write_text(json.dumps(report))
         (bench / name / "README.md").write_text(f"# {name}\n")
@@ -72,6 +75,7 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     plant("2999-01-01-z-mha-older", "2999-01-01 01:00:00 UTC", "llama3-8b")
     plant("2999-01-01-a-mha-newer", "2999-01-01 02:00:00 UTC", "llama3-8b")
     plant("2999-01-02-mla", "2999-01-02 01:00:00 UTC", "deepseek-v2-lite")
+    plant("2999-01-03-mha-failed", "2999-01-03 01:00:00 UTC", "llama3-8b", failed=True)  # measured nothing
     out = copy / "docs" / "results.md"
     assert report("--out", str(out), cwd=copy).returncode == 0
     text = out.read_text()
@@ -79,3 +83,4 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     assert "### `bench/results/2999-01-01-a-mha-newer`" in text
     assert "### `bench/results/2999-01-01-z-mha-older`" not in text
     assert "- `bench/results/2999-01-01-z-mha-older`" in text
+    assert "### `bench/results/2999-01-03-mha-failed`" not in text

@@ -22,16 +22,16 @@ all: patched
 sglang:
 	@scripts/build-pristine
 
-# The test environment (scripts/venv): made again when it is incomplete or broken, when
+# The test environment (ci/venv): made again when it is incomplete or broken, when
 # requirements/cpu.txt changes, or when PYTHON is given and differs from the one it was
 # made from; a Python older than requirements/cpu.txt's floor is refused in one line.
 VENV_ENV := SGLANG_VENV_PYTHON_GIVEN=$(if $(filter command line environment,$(origin PYTHON)),1,0) PYTHON=$(PYTHON)
 venv:
-	@$(VENV_ENV) scripts/venv "$(VENV)"
+	@$(VENV_ENV) ci/venv "$(VENV)"
 
 # With SGLang's formatters, which scripts/check runs over the patched files.
 lint-venv:
-	@$(VENV_ENV) scripts/venv --lint "$(VENV)"
+	@$(VENV_ENV) ci/venv --lint "$(VENV)"
 
 # The main job: pristine 0.5.20 (submodule or wheel) -> a copy with the series applied.
 patched: venv

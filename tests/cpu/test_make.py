@@ -1,6 +1,6 @@
 """The first hour: the Makefile and the scripts around it, run as a newcomer runs them.
 
-The Python floor (the pins' own Requires-Python), scripts/venv (refuses an old Python in
+The Python floor (the pins' own Requires-Python), ci/venv (refuses an old Python in
 one line; makes a broken, half-built or other-interpreter venv again), `make`'s import
 check (no GPU-only warnings, errors shown), `make status` and FORCE, every script's
 --help (usage, exit 0, nothing done), the Mooncake skip without libibverbs1, and .gitignore.
@@ -48,7 +48,7 @@ def lowest(spec: str) -> tuple[int, ...]:
 
 
 def test_the_python_floor_is_the_pins_own():
-    """The floor scripts/venv enforces is the highest Requires-Python of the installed pins."""
+    """The floor ci/venv enforces is the highest Requires-Python of the installed pins."""
     needs = {}
     for package, version in pins("cpu.txt", "lint.txt"):
         meta = importlib.metadata.metadata(package)
@@ -61,11 +61,11 @@ def test_the_python_floor_is_the_pins_own():
 
 
 def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
-    """scripts/venv in a scratch root whose requirements/cpu.txt pins nothing."""
+    """ci/venv in a scratch root whose requirements/cpu.txt pins nothing."""
     root = tmp_path / "root"
-    (root / "scripts").mkdir(parents=True)
+    (root / "ci").mkdir(parents=True)
     (root / "requirements").mkdir()
-    shutil.copy2(ROOT / "scripts" / "venv", root / "scripts" / "venv")
+    shutil.copy2(ROOT / "ci" / "venv", root / "ci" / "venv")
     (root / "requirements" / "cpu.txt").write_text(f"# requires-python: >={requirement_floor} (x 1.0 needs it)\n")
     (root / "requirements" / "lint.txt").write_text("")
     return root
@@ -74,7 +74,7 @@ def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
 def venv(root: Path, *args: str, python: str = sys.executable, given: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_VENV")}
     env.update(PYTHON=python, SGLANG_VENV_PYTHON_GIVEN="1" if given else "0")
-    return subprocess.run([str(root / "scripts" / "venv"), *args], cwd=root, capture_output=True, text=True, env=env)
+    return subprocess.run([str(root / "ci" / "venv"), *args], cwd=root, capture_output=True, text=True, env=env)
 
 
 def test_an_old_python_is_refused_in_one_line_before_anything_is_made(tmp_path):
@@ -89,7 +89,7 @@ def test_an_old_python_is_refused_in_one_line_before_anything_is_made(tmp_path):
 
 @pytest.fixture(scope="module")
 def made_venv(tmp_path_factory):
-    """A venv made by scripts/venv from an empty requirements file (pip upgraded, nothing else)."""
+    """A venv made by ci/venv from an empty requirements file (pip upgraded, nothing else)."""
     root = copy_for_venv(tmp_path_factory.mktemp("venv"), "3.0")
     proc = venv(root, ".venv")
     assert proc.returncode == 0, proc.stderr
@@ -183,7 +183,7 @@ def test_the_tier_hides_only_the_gpu_warnings_too(tmp_path):
 
 
 SCRIPTS = sorted([p for p in (ROOT / "scripts").iterdir() if not p.name.startswith("_") and os.access(p, os.X_OK)]
-                 + list((ROOT / "ci" / "e2e").glob("*.sh")))
+                 + [ROOT / "ci" / "venv"] + list((ROOT / "ci" / "e2e").glob("*.sh")))
 
 
 def test_every_script_is_listed():
@@ -199,6 +199,7 @@ def test_help_says_how_and_does_nothing(tmp_path, script, flag):
     root = tmp_path / "root"
     for part in ("scripts", "patches", "ci/e2e", "requirements"):
         shutil.copytree(ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "ci" / "venv", root / "ci" / "venv")
     shutil.copy2(ROOT / "sglang.pin", root / "sglang.pin")
     before = sorted(p for p in root.rglob("*") if "__pycache__" not in p.parts)
     copy = root / script.relative_to(ROOT)

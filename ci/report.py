@@ -5,8 +5,8 @@ by the tool that made it, the older runs listed by name with their READMEs' firs
     python3 ci/report.py [--out docs/results.md] [--check]
 
 A tier's runs are the folders under its place (docs/runs/<tier>/, bench/results/) named
-<date>-<what>; the newest date's folders are rendered (server benchmarks: the newest run
-of each shape), each through its own renderer
+<date>-<what>; the newest date's folders are rendered (server benchmarks: per shape, the newest
+run of each set of variants that no newer run covers), each through its own renderer
 (compare_servers.py --table, bench_server.py --render, transfer_bench.py --table,
 tests.support.differential.compare, the GPU tier's rows of its newest series). --check
 exits 1 when the file differs from what the runs render (it is regenerated, never edited).
@@ -71,16 +71,20 @@ def demoted(markdown: str) -> str:
 
 
 def newest_of_each_shape(runs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Server benchmark runs: the newest (by its start) that ran each shape, then the rest. A
-    run of one shape does not hide another shape's newest run."""
+    """Server benchmark runs, newest (by its start) first: a run is shown where, for some shape,
+    it measured variants that no newer shown run of that shape measured all of; then the rest.
+    A run of one shape, or of other variants (the no-HiCache pair), hides no other."""
     started = {run: json.loads((run / "report.json").read_text()) for run in runs}
-    shown, seen = [], set()
+    shown, seen = [], collections.defaultdict(list)
     for run in sorted(runs, key=lambda r: started[r]["started"], reverse=True):
-        shapes = {name for name, shape in started[run]["shapes"].items()
-                  if any(r.get("metrics") for w in shape["workloads"].values() for r in w["runs"])}
-        if shapes - seen:
+        measured = {name: {r["variant"] for w in shape["workloads"].values() for r in w["runs"] if r.get("metrics")}
+                    for name, shape in started[run]["shapes"].items()}
+        new = {name: variants for name, variants in measured.items()
+               if variants and not any(variants <= earlier for earlier in seen[name])}
+        if new:
             shown.append(run)
-            seen |= shapes
+            for name, variants in new.items():
+                seen[name].append(variants)
     return shown, [r for r in runs if r not in shown]
 
 

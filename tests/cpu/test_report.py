@@ -79,7 +79,7 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     plant("2999-01-01-z-mha-older", "2999-01-01 01:00:00 UTC", "llama3-8b")
     plant("2999-01-01-a-mha-newer", "2999-01-01 02:00:00 UTC", "llama3-8b")
     plant("2999-01-02-mla", "2999-01-02 01:00:00 UTC", "deepseek-v2-lite")
-    plant("2999-01-03-mha-failed", "2999-01-03 01:00:00 UTC", "llama3-8b", failed=True)  # measured nothing
+    plant("2999-01-05-mha-failed", "2999-01-05 01:00:00 UTC", "llama3-8b", failed=True)  # measured nothing
     plant("2999-01-04-mha-other-variants", "2999-01-04 01:00:00 UTC", "llama3-8b", keep=("native",))
     plant("2998-12-31-mha-fewer-variants", "2998-12-31 01:00:00 UTC", "llama3-8b", keep=tuple(variants[:2]))
     out = copy / "docs" / "results.md"
@@ -89,6 +89,6 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     assert "### `bench/results/2999-01-01-a-mha-newer`" in text
     assert "### `bench/results/2999-01-01-z-mha-older`" not in text
     assert "- `bench/results/2999-01-01-z-mha-older`" in text
-    assert "### `bench/results/2999-01-03-mha-failed`" not in text
+    assert "### `bench/results/2999-01-05-mha-failed`" not in text
     assert "### `bench/results/2999-01-04-mha-other-variants`" in text  # other variants: shown beside, hiding none
     assert "- `bench/results/2998-12-31-mha-fewer-variants`" in text  # a newer run measured all of its variants

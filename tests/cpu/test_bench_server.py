@@ -252,6 +252,9 @@ def test_server_flags_parse_with_sglangs_parser_and_differ_in_hicache_only(tmp_p
     env = bench.server_env(bench.SHAPES["qwen3.5-4b"], bench.VARIANTS["kvcached-per-layer"], "ipc", -1)
     assert env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false" and env["KVCACHED_PAGE_SIZE_MB"] == "4"
     assert bench.server_env(bench.SHAPES["llama3-8b"], bench.VARIANTS["native"], "ipc", -1) == {"ENABLE_KVCACHED": "false"}
+    kept = bench.server_env(bench.SHAPES["llama3-8b"], bench.VARIANTS["kvcached-contiguous-reserved"], "ipc", -1)
+    assert kept == {**bench.server_env(bench.SHAPES["llama3-8b"], bench.VARIANTS["kvcached-contiguous"], "ipc", -1),
+                    "KVCACHED_MAX_RESERVED_PAGES": "1000000"}             # only the unmapping differs
 
 
 def test_the_host_pool_holds_the_working_set_and_the_default_run_fits_in_memory():

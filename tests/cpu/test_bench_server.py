@@ -1,4 +1,4 @@
-"""ci/e2e/bench_server.py (`make bench-server`) against stand-in servers, on the CPU.
+"""bench/bench_server.py (`make bench-server`) against stand-in servers, on the CPU.
 
 The servers are tests/support/bench_fake_server.py as `sglang.launch_server` in two trees
 made here. The whole tool runs against them twice: with a stand-in client whose numbers
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(SUPPORT))
 import bench_server as bench  # noqa: E402
 import servers  # noqa: E402

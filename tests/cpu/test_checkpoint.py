@@ -1,4 +1,4 @@
-"""ci/e2e/checkpoint.py: a llama.cpp GGUF back to the Hugging Face folder it came from,
+"""tests/e2e/checkpoint.py: a llama.cpp GGUF back to the Hugging Face folder it came from,
 and the split/join that carries a file larger than one transfer.
 
 A tiny two-layer llama is written as llama.cpp's converter writes one (q and k rows
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import checkpoint  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 96
@@ -300,7 +300,7 @@ def test_a_corrupted_or_missing_part_is_refused_in_one_line_and_nothing_is_writt
 
 def test_the_command_line_splits_and_joins_and_says_why_it_refuses(tmp_path):
     (tmp_path / "f.bin").write_bytes(b"x" * (checkpoint.MIB + 1))
-    run = [sys.executable, str(ROOT / "ci" / "e2e" / "checkpoint.py")]
+    run = [sys.executable, str(ROOT / "tests" / "e2e" / "checkpoint.py")]
     split = subprocess.run([*run, "split", tmp_path / "f.bin", "--part-mib", "1"], capture_output=True, text=True)
     assert split.returncode == 0 and "2 parts" in split.stdout, split.stderr
     (tmp_path / "f.bin").rename(tmp_path / "f.orig")
@@ -315,7 +315,7 @@ def test_the_command_line_splits_and_joins_and_says_why_it_refuses(tmp_path):
 # --- the prompts ----------------------------------------------------------------------
 
 def test_the_prompt_file_gives_chat_requests_that_share_the_system_prompt_and_their_passage():
-    requests = checkpoint.chat_requests(ROOT / "ci" / "e2e" / "prompts" / "smollm2-chat.json")
+    requests = checkpoint.chat_requests(ROOT / "tests" / "e2e" / "prompts" / "smollm2-chat.json")
     assert len(requests) >= 8 and len({r["id"] for r in requests}) == len(requests)
     systems = {r["messages"][0]["content"] for r in requests}
     assert len(systems) == 1 and len(systems.pop()) > 500   # more than a few 64-token pages
@@ -362,7 +362,7 @@ def test_rows_side_by_side_tokenize_the_prompts_once_and_each_gets_its_own_copy(
 
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=SlowTokenizer))
     monkeypatch.setattr(checkpoint, "_TOKENIZED", {})
-    prompts = ROOT / "ci" / "e2e" / "prompts" / "smollm2-chat.json"
+    prompts = ROOT / "tests" / "e2e" / "prompts" / "smollm2-chat.json"
     got, errors = [], []
 
     def row():

@@ -1,4 +1,4 @@
-"""ci/e2e: the model-level comparison's matrix, server flags, traffic, verdicts and runner.
+"""tests/e2e: the model-level comparison's matrix, server flags, traffic, verdicts and runner.
 
 The comparison itself needs GPUs (docs/e2e-results.md holds its runs); what it decides is
 checked here: every row's flags parse with SGLang 0.5.20's own parser into the intended
@@ -31,7 +31,7 @@ from tests.support import fake_mooncake_master
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import compare_servers as e2e  # noqa: E402
 import servers  # noqa: E402
 import e2e_matrix as matrix  # noqa: E402

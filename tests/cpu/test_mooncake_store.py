@@ -1,4 +1,4 @@
-"""ci/e2e/mooncake_store.py: the Mooncake master the server comparison (--l3-store mooncake)
+"""tests/e2e/mooncake_store.py: the Mooncake master the server comparison (--l3-store mooncake)
 and the CPU tier's L3 tests start; and the L3 rows' flags for it (e2e_matrix).
 
 The launcher runs against a stand-in binary (tests/support/fake_mooncake_master.py) that
@@ -20,7 +20,7 @@ from tests.support import fake_mooncake_master as fake
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.project_files
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import e2e_matrix as matrix  # noqa: E402
 import mooncake_store as store  # noqa: E402
 

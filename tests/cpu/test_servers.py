@@ -1,4 +1,4 @@
-"""ci/e2e/servers.py: starting, waiting for, probing and stopping a server, against a stand-in.
+"""tests/e2e/servers.py: starting, waiting for, probing and stopping a server, against a stand-in.
 
 The stand-in is `python -m sglang.launch_server` from a tree made here: an HTTP server that
 answers /health_generate once FAKE_READY_AFTER seconds have passed, tells what it imported
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import compare_servers  # noqa: E402
 import servers  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The soak harness (ci/e2e/soak*.py) against stand-in servers and stand-in kvcached counters.
+"""The soak harness (tests/e2e/soak*.py) against stand-in servers and stand-in kvcached counters.
 
 The stand-in server (tests/support/soak_fake_server.py, run as `python -m sglang.launch_server`) answers
 like SGLang's streamed /generate, keeps a device and a host cache under the kvcached limit
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ci" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import soak  # noqa: E402
 import soak_faults as faults  # noqa: E402
 import soak_fleet as fleets  # noqa: E402
@@ -27,7 +27,7 @@ import soak_kvc as kvc  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 import soak_verdict as verdict  # noqa: E402
 
-# The soak harness (ci/e2e), checked with stand-in servers: not the SGLang tree. Left out
+# The soak harness (tests/e2e), checked with stand-in servers: not the SGLang tree. Left out
 # of the tier the image runs: there, with kvcached installed, its shared stand-in servers
 # answered nothing (not yet explained).
 pytestmark = pytest.mark.project_files
@@ -346,7 +346,7 @@ def wait_done(status: Path, seconds: float) -> dict:
 
 def test_a_detached_run_passes_with_every_fault_and_says_so(fake_env):
     out, args = fake_env
-    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "e2e" / "soak.py"), *args, "--duration", "12",
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "soak.py"), *args, "--duration", "12",
                            "--detach"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "running in the background" in proc.stdout
     state = wait_done(out.with_name("run.status.json"), 120)

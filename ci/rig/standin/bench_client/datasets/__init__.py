@@ -2,7 +2,7 @@
 
 SGLang 0.5.20's `sglang.benchmark.datasets` imports `datasets` at import time (for its MMMU
 set); the generated sets the server benchmark uses (generated-shared-prefix) never call it.
-Put on the client's path only where `datasets` is not installed (ci/e2e/bench_server.py)."""
+Put on the client's path only where `datasets` is not installed (bench/bench_server.py)."""
 
 
 def load_dataset(*args, **kwargs):

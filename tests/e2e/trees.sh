@@ -3,7 +3,7 @@
 # that an interpreter imports (left untouched):
 #   OUT/pristine/sglang   a copy as it is; must be pristine (scripts/status)
 #   OUT/patched/sglang    a copy with the series applied (scripts/apply)
-# Usage: ci/e2e/trees.sh [PYTHON] [OUT]   (defaults: python3, build/e2e/trees)
+# Usage: tests/e2e/trees.sh [PYTHON] [OUT]   (defaults: python3, build/e2e/trees)
 # A server started with OUT/pristine or OUT/patched first on PYTHONPATH imports that copy
 # and everything else (kvcached, torch, ...) from the interpreter's environment.
 set -euo pipefail

@@ -41,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # an import-only deep_gemm (ci/rig/README.md), for servers whose environment lacks it
-STANDIN_SITE = HERE.parent / "rig" / "standin" / "site"
+STANDIN_SITE = ROOT / "ci" / "rig" / "standin" / "site"
 # what a request to a server that is starting, dying or gone raises
 UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
@@ -342,7 +342,7 @@ def check_trees(pristine: str | None, patched: str | None) -> dict[str, str]:
     for name, path, want in (("pristine", pristine, "series pristine"), ("patched", patched, "series applied")):
         if not path or not (Path(path) / "sglang").is_dir():
             raise SystemExit(f"--launcher local needs --{name}-path: a folder holding an sglang/ package "
-                             f"(ci/e2e/trees.sh makes one); got {path!r}")
+                             f"(tests/e2e/trees.sh makes one); got {path!r}")
         states[name] = tree_state(path)
         if not states[name].endswith(want):
             raise SystemExit(f"--{name}-path {path}: scripts/status says '{states[name]}', expected '{want}'")

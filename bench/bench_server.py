@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """SGLang's own benchmark client against SGLang's server: kvcached vs native, HiCache on.
 
-    python3 ci/e2e/bench_server.py --pristine-path P --patched-path Q --out build/bench-server \\
+    python3 bench/bench_server.py --pristine-path P --patched-path Q --out build/bench-server \\
         [--shapes llama3-8b deepseek-v2-lite qwen3.5-4b] [--turns 1 4] [--rounds 3] [--server-flags "..."]
-    python3 ci/e2e/bench_server.py --render build/bench-server/report.json   (the markdown summary)
-    python3 ci/e2e/bench_server.py --plot build/bench-server/report.json OUT.png
+    python3 bench/bench_server.py --render build/bench-server/report.json   (the markdown summary)
+    python3 bench/bench_server.py --plot build/bench-server/report.json OUT.png
 
 Per shape (a model shape with dummy weights: its config and a word-level tokenizer are
 written under OUT/models), one server per variant, all started once, side by side on one
@@ -57,11 +57,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))   # the server tier's harness
 import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
 
-CLIENT_STANDIN = HERE.parent / "rig" / "standin" / "bench_client"
+CLIENT_STANDIN = HERE.parent / "ci" / "rig" / "standin" / "bench_client"
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ _QWEN35_4B = {
 SHAPES = {s.name: s for s in (
     Shape("llama3-8b", "Llama-3-8B-shaped MHA: 32 layers, 8 KV heads x 128, bf16", _LLAMA3_8B),
     # page size 1: kvcached 0.1.6's elastic MLA allocator holds page_size times the tokens
-    # asked for (ci/e2e/e2e_matrix.py, _MLA), which would keep on the device what native evicts
+    # asked for (tests/e2e/e2e_matrix.py, _MLA), which would keep on the device what native evicts
     Shape("deepseek-v2-lite", "DeepSeek-V2-Lite-shaped MLA: 27 layers, 512 + 64 bf16, dense MLPs",
           _DEEPSEEK_V2_LITE, page_size=1),
     # a Mamba cell (2 MiB SSM + 48 KiB conv per layer) is over kvcached's default 2 MiB page
@@ -722,7 +722,7 @@ def options(argv=None):
                     help="KVCACHED_MAX_CACHED_TOKENS (-1: keep every cached prefix, as native does; kvcached's "
                          "default drops those beyond 16,000 tokens after each request)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--pristine-path", help="folder holding SGLang 0.5.20's sglang/ as released (ci/e2e/trees.sh)")
+    ap.add_argument("--pristine-path", help="folder holding SGLang 0.5.20's sglang/ as released (tests/e2e/trees.sh)")
     ap.add_argument("--patched-path", help="folder holding sglang/ with the series applied")
     ap.add_argument("--python", default=sys.executable, help="the servers' and the client's interpreter")
     ap.add_argument("--client-path", help="folder first on the client's PYTHONPATH (default: --pristine-path)")

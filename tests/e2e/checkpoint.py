@@ -368,7 +368,7 @@ def convert(src: Path, out: Path, dtype: str = "bfloat16") -> dict:
 # --- prompts --------------------------------------------------------------------------
 
 def chat_requests(path: Path) -> list[dict]:
-    """The requests of a prompts file (ci/e2e/prompts/*.json: a shared `system` prompt and
+    """The requests of a prompts file (tests/e2e/prompts/*.json: a shared `system` prompt and
     `groups` of a `passage` with its `questions`): one chat turn each, `id` "group/N"."""
     try:
         data = json.loads(path.read_text())

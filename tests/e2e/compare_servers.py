@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Model-level check: SGLang 0.5.20's real server, native vs kvcached, every pool kind.
 
-    python3 ci/e2e/compare_servers.py --pool all --launcher local \\
+    python3 tests/e2e/compare_servers.py --pool all --launcher local \\
         --pristine-path P --patched-path Q [--gpus 0,1] [--jobs 6] [--l3 also] \\
         [--l3-store mooncake [--shared-store]] [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
-    python3 ci/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
-    python3 ci/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
+    python3 tests/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
+    python3 tests/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
 
 Each row of the matrix (e2e_matrix.build_rows) is one server: a model case, a host
 layout (`--hicache-mem-layout`), L3 off or on, and a variant: `native`
@@ -23,14 +23,14 @@ file store (a fresh folder per server) or Mooncake: a mooncake_master on loopbac
 on SIGTERM or Ctrl-C), the server a client under the row's tag; --shared-store adds rows
 of two servers of one master under one tag, a writer (pass 1, filler) and, while it
 runs, a reader (pass 2) that must answer from what the writer stored. Dummy-weight servers get
-ci/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
+tests/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
 model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
 logprob); their log must show it ran. Passes never use /flush_cache: in
 SGLang 0.5.20 it also clears the host pool, so nothing would load from host.
 
 Launchers: `local` starts `python -m sglang.launch_server` on this host with the tree's
 folder first on PYTHONPATH (--pristine-path / --patched-path hold an `sglang/` package:
-ci/e2e/trees.sh makes both from an installed SGLang 0.5.20); `docker` runs the images
+tests/e2e/trees.sh makes both from an installed SGLang 0.5.20); `docker` runs the images
 (--native-image: SGLang's official image; --patched-image: this project's; a pristine
 variant needs --pristine-kvcached-image). The JSON report holds every row, its server
 command and environment, the environment of the run and the patches/ state.
@@ -58,7 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent / "rig"))   # real_kernels: the GPU rig's op recorder
+sys.path.insert(1, str(ROOT / "ci" / "rig"))   # real_kernels: the GPU rig's op recorder
 import e2e_matrix as matrix  # noqa: E402
 import e2e_verdict as judge  # noqa: E402
 import mooncake_store  # noqa: E402

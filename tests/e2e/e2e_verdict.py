@@ -14,7 +14,7 @@ import re
 # kvcached 0.1.6 logs one of these when it builds an elastic pool or allocator
 KVCACHED_SERVED = re.compile(
     r"VirtualKV Cache is allocated|Elastic MambaPool|Elastic\w*Allocator in use")
-# what ci/e2e/plugin/trained_scale_weights.py prints, once per rank, when it draws a dummy
+# what tests/e2e/plugin/trained_scale_weights.py prints, once per rank, when it draws a dummy
 # model's weights: "trained-scale dummy weights drawn: <count> tensors (tp rank <r>)"
 WEIGHTS_REDRAWN = "trained-scale dummy weights drawn"
 WEIGHTS_COUNT = re.compile(re.escape(WEIGHTS_REDRAWN) + r": (\d+) tensors")

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Soak: several models on one GPU, each with HiCache over kvcached, under load and faults.
 
-    python3 ci/e2e/soak.py --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
+    python3 tests/e2e/soak.py --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
         [--server-flags "..."] [--detach]
-    python3 ci/e2e/soak.py --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
-    python3 ci/e2e/soak.py --table R1.json R2.json ...                         (docs/soak-results.md rows)
+    python3 tests/e2e/soak.py --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
+    python3 tests/e2e/soak.py --table R1.json R2.json ...                         (docs/soak-results.md rows)
 
 Servers (soak_fleet): one shared server per --models entry, kvcached on, all on one GPU
 under one KV budget (soak_kvc: --budget-fraction of what their pools want, each kept at
@@ -25,8 +25,8 @@ OUT-logs/. Exit status: 0 pass, 1 fail or incomplete, 2 bad input.
 On the H200 (after `source .e2e/setup.sh` and `python3 scripts/apply /tmp/site`):
     F="--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none \\
        --mem-fraction-static 0.3 --disable-custom-all-reduce --linear-attn-prefill-backend triton"
-    python3 ci/e2e/soak.py --duration 60 --out $OUT/smoke.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false
-    python3 ci/e2e/soak.py --out /tmp/soak/full.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --detach
+    python3 tests/e2e/soak.py --duration 60 --out $OUT/smoke.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false
+    python3 tests/e2e/soak.py --out /tmp/soak/full.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --detach
     cat /tmp/soak/full.status.json          (poll; "done": true at the end)
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent / "rig"))   # real_kernels: the GPU rig's op recorder
+sys.path.insert(1, str(HERE.parents[1] / "ci" / "rig"))   # real_kernels: the GPU rig's op recorder
 import e2e_matrix as matrix  # noqa: E402
 import servers  # noqa: E402
 import soak_faults as faults  # noqa: E402

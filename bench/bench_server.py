@@ -17,6 +17,9 @@ GPU (CUDA graphs as SGLang captures them by default), from the trees the compari
   kvcached-no-hicache  patched tree, kvcached contiguous, HiCache off; only when named (with
                        native-no-hicache, which it is divided by): kvcached's own cost, apart
                        from HiCache's copies (the series')
+  kvcached-contiguous-reserved  kvcached-contiguous with every freed page kept mapped
+                       (KVCACHED_MAX_RESERVED_PAGES); only when named: kvcached's unmapping
+                       and mapping again, apart from the rest of its cost
 Every server caps its device pool (--max-total-tokens, --device-tokens) below the working
 set, so that most prefix hits come back from host, and gets a host pool that holds the
 working set (--hicache-ratio, by default the smallest that does, with a fifth to spare).
@@ -57,7 +60,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))   # the server tier's harness
+# the server tier's harness starts, probes and stops the servers and checks their answers,
+# here as in the comparison: one server module, which lives with the tests that own it
+sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
 import e2e_verdict as judge  # noqa: E402
 import servers  # noqa: E402
 
@@ -126,7 +131,7 @@ class Variant:
     layout: str | None         # kvcached's layout; None: kvcached off
     hicache: bool
     baseline: str = "native"   # the variant its ratios divide by
-    kvcached_env: tuple = ()   # kvcached settings of this variant only
+    kvcached_env: tuple[tuple[str, str], ...] = ()   # kvcached settings of this variant only
 
 
 # kvcached 0.1.6 unmaps a freed page once 10 free ones are mapped (KVCACHED_MAX_RESERVED_PAGES),

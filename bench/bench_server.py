@@ -703,7 +703,8 @@ def options(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print each server's and the first client's command, exit")
     ap.add_argument("--out", default="build/bench-server", help="folder of the report and everything else")
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
-    ap.add_argument("--variants", nargs="+", default=["native", "kvcached-contiguous", "kvcached-per-layer", "native-no-hicache"],
+    ap.add_argument("--variants", nargs="+",
+                    default=["native", "kvcached-contiguous", "kvcached-per-layer", "native-no-hicache"],
                     choices=list(VARIANTS), help="native is the baseline: always among them")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant once (3 at least for a spread)")
     ap.add_argument("--warmup-rounds", type=int, default=1,

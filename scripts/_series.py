@@ -54,26 +54,23 @@ def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
                                           if isinstance(exc, PermissionError) else ""))
 
 
-def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
-    """sglang.pin: KEY=value lines, no quotes or spaces (make includes the same file)."""
+def read_pin(path: Path = ROOT / "sglang.pin") -> tuple[str, str]:
+    """sglang.pin's version and commit: KEY=value lines, no quotes or spaces (make includes the same
+    file). Every script imports this module first: a bad pin is one 'error:' line, not a traceback."""
     if not path.is_file():
-        raise SeriesError(f"{path} is missing: it pins the SGLang release the series is for")
+        fail(f"{path} is missing: it pins the SGLang release the series is for")
     pin = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
             if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
-                raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
+                fail(f"{path}:{number}: expected KEY=value without quotes or spaces")
             pin[match[1]] = match[2]
     if missing := [key for key in ("SGLANG_VERSION", "SGLANG_COMMIT") if key not in pin]:
-        raise SeriesError(f"{path} does not set {missing[0]}")
-    return pin
+        fail(f"{path} does not set {missing[0]}")
+    return pin["SGLANG_VERSION"], pin["SGLANG_COMMIT"]
 
 
-try:
-    PIN = read_pin()
-except SeriesError as _exc:  # every script imports this module first: one line, not a traceback
-    fail(str(_exc))
-EXPECTED_VERSION, UPSTREAM_COMMIT = PIN["SGLANG_VERSION"], PIN["SGLANG_COMMIT"]
+EXPECTED_VERSION, UPSTREAM_COMMIT = read_pin()
 
 
 def run_script(name: str, *args, check: bool = False):

@@ -2,15 +2,8 @@
 
 Patches are git format-patch output whose index lines name each file's blob before and after;
 git apply, outside any repository and configuration, writes the bytes. The record,
-PACKAGE/.sglang-series/ (quilt's .pc/), holds record.json (series digest, patches, each file's
-sha256 before and after) and pristine/ (the bytes apply replaced). A file the record does not
-vouch for is read from its bytes: a blob the index lines name holds exactly the first K of its
-patches; other bytes are local edits over the series (git apply -R applies) or under it (git
-apply applies), or conflict. A change is all or none: old and new bytes are staged in
-PACKAGE/.sglang-series.tmp, renamed .swap (a stop from here on rolls back from its old/); the
-new files are renamed into place, .swap is renamed .done (the commit), then the record is
-swapped and .done removed. Every verb takes the tree's lock and first finishes what a stopped
-one left.
+PACKAGE/.sglang-series/ (written by apply, read by Survey), the all-or-none swap (transact,
+recover) and the lock every verb takes: docs/contributing.md, "How the scripts change a tree".
 """
 from __future__ import annotations
 
@@ -269,7 +262,9 @@ class File:
 
 
 class Survey:
-    """What a tree holds of the series, read as the module doc says."""
+    """What a tree holds of the series. A file the record (quilt's .pc/) does not vouch for is read from
+    its bytes: a blob the index lines name holds exactly the first K of its patches; other bytes are
+    local edits over the series (git apply -R applies) or under it (git apply applies), or conflict."""
 
     def __init__(self, target: Target, series: Series):
         pkg, self.target, self.files = target.package_dir, target, {}
@@ -394,8 +389,9 @@ def drop_bytecode(path: Path) -> None:
 
 
 def recover(pkg: Path) -> str | None:
-    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did. (A folder
-    without its meta.json had only its removal left.)"""
+    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did: a .swap is rolled
+    back from its old/, a .done (past the commit) finished. (A folder without its meta.json had only its
+    removal left.)"""
     tmp, swap, done, record = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done", ""))
     if not (tmp.exists() or swap.exists() or done.exists()):
         return None
@@ -431,7 +427,8 @@ def recover(pkg: Path) -> str | None:
 
 
 def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, bytes] | None) -> None:
-    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none."""
+    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none:
+    staged in .tmp, renamed .swap, the new files renamed into place, .swap renamed .done (the commit)."""
     tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
     try:
         meta = {"verb": verb, "files": {}}

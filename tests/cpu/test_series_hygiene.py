@@ -152,7 +152,8 @@ def test_sglang_formatters_catch_a_badly_formatted_line(fake, tmp_path):
 def test_the_layout_check_catches_a_byte_apply_and_reverse_did_not_restore(tmp_path, monkeypatch):
     """scripts/check's copies are in the layout asked for, and its judge of apply + reverse
     names a file left other than it was (here: a byte added after a clean reverse)."""
-    series, pristine = _series.Series(), _series.find_target(Path(os.environ["PRISTINE_SGLANG"]).parent)
+    # PRISTINE_SGLANG holds sglang/, under `make test` as in the image (install-into-python sets it)
+    series, pristine = _series.Series(), _series.find_target(os.environ["PRISTINE_SGLANG"])
     for layout in ("installed", "checkout"):
         target = check.copy_tree(pristine, tmp_path / layout, layout, series)
         assert target.layout == layout and check.check_layout(target, layout) == []

@@ -2,15 +2,8 @@
 
 Patches are git format-patch output whose index lines name each file's blob before and after;
 git apply, outside any repository and configuration, writes the bytes. The record,
-PACKAGE/.sglang-series/ (quilt's .pc/), holds record.json (series digest, patches, each file's
-sha256 before and after) and pristine/ (the bytes apply replaced). A file the record does not
-vouch for is read from its bytes: a blob the index lines name holds exactly the first K of its
-patches; other bytes are local edits over the series (git apply -R applies) or under it (git
-apply applies), or conflict. A change is all or none: old and new bytes are staged in
-PACKAGE/.sglang-series.tmp, renamed .swap (a stop from here on rolls back from its old/); the
-new files are renamed into place, .swap is renamed .done (the commit), then the record is
-swapped and .done removed. Every verb takes the tree's lock and first finishes what a stopped
-one left.
+PACKAGE/.sglang-series/ (written by apply, read by Survey), the all-or-none swap (transact,
+recover) and the lock every verb takes: docs/contributing.md, "How the scripts change a tree".
 """
 from __future__ import annotations
 
@@ -54,26 +47,23 @@ def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
                                           if isinstance(exc, PermissionError) else ""))
 
 
-def read_pin(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
-    """sglang.pin: KEY=value lines, no quotes or spaces (make includes the same file)."""
+def read_pin(path: Path = ROOT / "sglang.pin") -> tuple[str, str]:
+    """sglang.pin's version and commit: KEY=value lines, no quotes or spaces (make includes the same
+    file). Every script imports this module first: a bad pin is one 'error:' line, not a traceback."""
     if not path.is_file():
-        raise SeriesError(f"{path} is missing: it pins the SGLang release the series is for")
+        fail(f"{path} is missing: it pins the SGLang release the series is for")
     pin = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
             if not (match := re.fullmatch(r"([A-Z_]+)=([^\s\"']+)", line)):
-                raise SeriesError(f"{path}:{number}: expected KEY=value without quotes or spaces")
+                fail(f"{path}:{number}: expected KEY=value without quotes or spaces")
             pin[match[1]] = match[2]
     if missing := [key for key in ("SGLANG_VERSION", "SGLANG_COMMIT") if key not in pin]:
-        raise SeriesError(f"{path} does not set {missing[0]}")
-    return pin
+        fail(f"{path} does not set {missing[0]}")
+    return pin["SGLANG_VERSION"], pin["SGLANG_COMMIT"]
 
 
-try:
-    PIN = read_pin()
-except SeriesError as _exc:  # every script imports this module first: one line, not a traceback
-    fail(str(_exc))
-EXPECTED_VERSION, UPSTREAM_COMMIT = PIN["SGLANG_VERSION"], PIN["SGLANG_COMMIT"]
+EXPECTED_VERSION, UPSTREAM_COMMIT = read_pin()
 
 
 def run_script(name: str, *args, check: bool = False):
@@ -272,7 +262,9 @@ class File:
 
 
 class Survey:
-    """What a tree holds of the series, read as the module doc says."""
+    """What a tree holds of the series. A file the record (quilt's .pc/) does not vouch for is read from
+    its bytes: a blob the index lines name holds exactly the first K of its patches; other bytes are
+    local edits over the series (git apply -R applies) or under it (git apply applies), or conflict."""
 
     def __init__(self, target: Target, series: Series):
         pkg, self.target, self.files = target.package_dir, target, {}
@@ -397,8 +389,9 @@ def drop_bytecode(path: Path) -> None:
 
 
 def recover(pkg: Path) -> str | None:
-    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did. (A folder
-    without its meta.json had only its removal left.)"""
+    """Finish what a stopped change left, ignoring Ctrl-C meanwhile; says what it did: a .swap is rolled
+    back from its old/, a .done (past the commit) finished. (A folder without its meta.json had only its
+    removal left.)"""
     tmp, swap, done, record = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done", ""))
     if not (tmp.exists() or swap.exists() or done.exists()):
         return None
@@ -434,7 +427,8 @@ def recover(pkg: Path) -> str | None:
 
 
 def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, bytes] | None) -> None:
-    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none."""
+    """Write ``changes`` and the record's files (None: the record removed), {path: new bytes}, all or none:
+    staged in .tmp, renamed .swap, the new files renamed into place, .swap renamed .done (the commit)."""
     tmp, swap, done = (pkg / (RECORD + s) for s in (".tmp", ".swap", ".done"))
     try:
         meta = {"verb": verb, "files": {}}

@@ -148,6 +148,27 @@ def test_sglang_formatters_catch_a_badly_formatted_line(fake, tmp_path):
     assert f"clang-format would change python/sglang/{kernel}" in problems[1]
 
 
+@needs_pristine
+def test_the_layout_check_catches_a_byte_apply_and_reverse_did_not_restore(tmp_path, monkeypatch):
+    """scripts/check's copies are in the layout asked for, and its judge of apply + reverse
+    names a file left other than it was (here: a byte added after a clean reverse)."""
+    # PRISTINE_SGLANG holds sglang/, under `make test` as in the image (install-into-python sets it)
+    series, pristine = _series.Series(), _series.find_target(os.environ["PRISTINE_SGLANG"])
+    for layout in ("installed", "checkout"):
+        target = check.copy_tree(pristine, tmp_path / layout, layout, series)
+        assert target.layout == layout and check.check_layout(target, layout) == []
+    run_script = _series.run_script
+
+    def reverse_leaves_a_byte(verb, *args, **kwargs):
+        proc = run_script(verb, *args, **kwargs)
+        if verb == "reverse":
+            with (target.package_dir / series.files[0]).open("ab") as changed:
+                changed.write(b"\n")
+        return proc
+    monkeypatch.setattr(check.s, "run_script", reverse_leaves_a_byte)
+    assert check.check_layout(target, "checkout layout") == [
+        "checkout layout: apply + reverse did not restore every byte"]
+
 def test_what_git_apply_writes_is_checked_against_the_index_lines(fake, tmp_path):
     """The index lines name each file's blob after each patch: a series whose last index
     line is wrong is refused before anything is written."""

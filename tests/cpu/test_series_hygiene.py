@@ -169,6 +169,7 @@ def test_the_layout_check_catches_a_byte_apply_and_reverse_did_not_restore(tmp_p
     assert check.check_layout(target, "checkout layout") == [
         "checkout layout: apply + reverse did not restore every byte"]
 
+
 def test_what_git_apply_writes_is_checked_against_the_index_lines(fake, tmp_path):
     """The index lines name each file's blob after each patch: a series whose last index
     line is wrong is refused before anything is written."""

@@ -1,4 +1,4 @@
-"""kvcached 0.1.6's paged allocator without its two GPU waits, for one benchmark variant.
+"""kvcached 0.1.6's paged allocator with fewer GPU waits, for one benchmark variant.
 
 The capped-pool profile (../2026-12-05-h100-bench-server-capped-profile) found kvcached's extra
 scheduler time in two places where SGLang 0.5.20's own paged allocator does not wait for the GPU:

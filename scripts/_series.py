@@ -96,17 +96,18 @@ def patch_name(number: int, subject: str) -> str:
     return f"{number:04d}-{'-'.join(kept) or (words[0][:60] if words else 'patch')}.patch"
 
 
+def git(folder: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise SeriesError(f"git {' '.join(args)} in {folder} failed: {proc.stderr.strip()}")
+    return proc
+
+
 def work_git(option: str | None):
     """import/export-patches' work folder (--work, $SERIES_WORK, build/work) and a git runner in it."""
     work = Path(option or os.environ.get("SERIES_WORK") or ROOT / "build" / "work").resolve()
-    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}  # git am
-
-    def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["git", "-C", str(work), *args], capture_output=True, text=True, env=env)
-        if check and proc.returncode != 0:
-            raise SeriesError(f"git {' '.join(args)} in {work} failed: {proc.stderr.strip()}")
-        return proc
-    return work, git
+    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}
+    return work, lambda *args, check=True: git(work, *args, check=check, env=env)  # the committer: git am's
 
 
 def sha(data: bytes) -> str:
@@ -118,8 +119,7 @@ def blob(data: bytes) -> str:
 
 
 def series_note() -> str:
-    edited = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(SERIES_FILE)],
-                            capture_output=True).returncode == 1
+    edited = git(ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
     return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
             "git checkout -- patches/series restores it)" if edited else "")
 
@@ -241,8 +241,7 @@ def check_version(target: Target) -> str:
                           "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
     if not found and infos and (infos[0] / "METADATA").is_file():
         found = re.search(r"^Version: (\S+)", (infos[0] / "METADATA").read_text(errors="replace"), re.M)
-    head = "" if found else subprocess.run(["git", "-C", str(target.package_dir), "rev-parse", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip()
+    head = "" if found else git(target.package_dir, "rev-parse", "HEAD", check=False).stdout.strip()
     version = found[1] if found else EXPECTED_VERSION if head == UPSTREAM_COMMIT else f"unknown (git commit {head})"
     if not found and not head:
         raise SeriesError(f"cannot tell the SGLang version of {target.package_dir}: no _version.py, no dist-info "

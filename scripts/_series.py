@@ -144,12 +144,11 @@ class Series:
             if not path.is_file():
                 raise SeriesError(f"{SERIES_FILE} lists {path.name}, which does not exist{series_note()}")
             self.patches.append(path.name)
-            data = path.read_bytes()
-            starts = [m.start() for m in re.finditer(rb"^diff --git ", data, re.M)]
-            if not starts:
+            sections = re.split(rb"^(?=diff --git )", path.read_bytes(), flags=re.M)[1:]  # [0]: the message
+            if not sections:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
-            for begin, end in zip(starts, starts[1:] + [len(data)]):
-                self._add(path.name, data[begin:end])
+            for text in sections:
+                self._add(path.name, text)
         # The digest (the record's, the reports'): the sha256 of `sha256sum series PATCH...` in patches/.
         listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
         self.files, self.digest = list(self.by_file), sha(listing.encode())
@@ -287,16 +286,13 @@ class Survey:
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
             if f.held is not None:  # the blob after K sections: undone, it must be the blob SGLang's file has
                 undone = git_apply({rel: f.data}, sections[:f.held], reverse=True)
-                if undone and blob(undone[rel]).startswith(blobs[0]):
-                    f.base = undone[rel]
-                else:
-                    f.problem, f.held = "conflicting", None
+                f.base = undone[rel] if undone and blob(undone[rel]).startswith(blobs[0]) else None
             elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
                 f.base, f.held, f.edited = undone[rel], len(sections), True
             elif sections and git_apply({rel: f.data}, sections) is not None:
                 f.base, f.held, f.edited = f.data, 0, True
-            else:
-                f.problem = "conflicting"
+            if f.base is None:  # no SGLang bytes under it
+                f.problem, f.held = "conflicting", None
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
         for name in series.patches:
             mine = [s for s in series.sections if s.patch == name]

@@ -66,14 +66,14 @@ def read_pin(path: Path = ROOT / "sglang.pin") -> tuple[str, str]:
 EXPECTED_VERSION, UPSTREAM_COMMIT = read_pin()
 
 
-def run_script(name: str, *args, check: bool = False):
-    """Another of these scripts, run with this Python, its output captured; with ``check``, the last line
-    it prints (a path), or one 'error:' line and exit 1 when it fails (build-pristine has no cli())."""
+def run_script(name: str, *args, check: bool = False) -> subprocess.CompletedProcess:
+    """Another of these scripts, run with this Python, its output captured; with ``check``, one 'error:'
+    line and exit 1 when it fails (build-pristine has no cli())."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
                           text=True)
     if check and proc.returncode != 0:
         fail(f"scripts/{name} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip().splitlines()[-1] if check else proc
+    return proc
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:

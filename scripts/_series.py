@@ -266,8 +266,14 @@ class Survey:
     local edits over the series (git apply -R applies) or under it (git apply applies), or conflict."""
 
     def __init__(self, target: Target, series: Series):
-        pkg, self.target, self.files = target.package_dir, target, {}
-        self.record = read_record(pkg)
+        pkg, self.target, self.files, self.record = target.package_dir, target, {}, None
+        try:
+            if (pkg / RECORD).exists():
+                self.record = json.loads((pkg / RECORD / "record.json").read_text())
+                assert isinstance(self.record["digest"], str) and isinstance(self.record["files"], dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+            raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer "
+                              "version; remove it only if the tree's files are SGLang's own")
         self.outdated = bool(self.record) and self.record["digest"] != series.digest
         recorded = self.record["files"] if self.record else {}
         for rel in dict.fromkeys(series.files + list(recorded)):
@@ -336,18 +342,6 @@ class Survey:
                               f"outside the series' changes): {self.target.show(*edits)}; pass "
                               f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
                               "nothing changed")
-
-
-def read_record(pkg: Path) -> dict | None:
-    if not (pkg / RECORD).exists():
-        return None
-    try:
-        record = json.loads((pkg / RECORD / "record.json").read_text())
-        assert isinstance(record["digest"], str) and isinstance(record["files"], dict)
-        return record
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer version; "
-                          "remove it only if the tree's files are SGLang's own")
 
 
 def restore_hint(target: Target, rels: list[str]) -> str:

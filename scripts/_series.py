@@ -285,7 +285,7 @@ class Survey:
             f.data = path.read_bytes()
             if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
-                f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
+                f.base, f.held = kept.read_bytes(), len(sections)
                 f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
@@ -299,8 +299,8 @@ class Survey:
                 f.base, f.held, f.edited = f.data, 0, True
             if f.base is None:  # no SGLang bytes under it
                 f.problem, f.held = "conflicting", None
-        self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
-        for name in series.patches:
+        self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting; none if outdated
+        for name in [] if self.outdated else series.patches:
             mine = [s for s in series.sections if s.patch == name]
             held = sum(self.files[s.rel].held is not None and s.index < self.files[s.rel].held for s in mine)
             self.patches.append(
@@ -308,6 +308,7 @@ class Survey:
                 if any(self.files[s.rel].held is None for s in mine) else
                 (name, "applied" if held == len(mine) else "partly applied" if held else "not applied",
                  f"in {held} of {len(mine)} files" if 0 < held < len(mine) else ""))
+        self.present = [name for name, state, _ in self.patches if state != "not applied"]  # wholly or in part
         states = {state for _, state, _ in self.patches}
         self.state = ("outdated" if self.outdated else "conflicting" if "conflicting" in states else
                       "applied" if states == {"applied"} else "pristine" if states == {"not applied"} else "partial")
@@ -508,8 +509,7 @@ def apply(path: str, force: bool) -> int:
         transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
                  record)
     print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
-    print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
-                  if state != "not applied" and not found.outdated), end="")
+    print("".join(f"  already in before: {name}\n" for name in found.present), end="")
     return 0
 
 
@@ -521,7 +521,7 @@ def reverse(path: str, force: bool) -> int:
         found.refuse_unsafe("reverse", force)
         transact(target.package_dir, "reverse", {rel: f.base for rel, f in found.files.items() if f.base != f.data},
                  None)
-    undone = found.record["patches"] if found.outdated else [n for n, state, _ in found.patches if state != "not applied"]
+    undone = found.record["patches"] if found.outdated else found.present
     print(f"reversed {len(undone)} patches in {target.package_dir}" + "".join(f"\n  {name}" for name in undone))
     return 0
 
@@ -534,7 +534,7 @@ def status(path: str) -> int:
         print(f"  applied by scripts/apply from another patches/ (digest {found.record['digest'][:12]}, "
               f"{len(found.record['patches'])} patches): scripts/apply replaces it, scripts/reverse takes it out")
     marks = {"applied": "x", "not applied": " ", "partly applied": "~", "conflicting": "!"}
-    for name, state, detail in [] if found.outdated else found.patches:
+    for name, state, detail in found.patches:
         print(f"  [{marks[state]}] {name}: {state}" + (f" ({detail})" if detail else ""))
     for what in ("missing", "conflicting"):
         if found.having(what):

@@ -280,7 +280,8 @@ class Survey:
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
             if path.is_symlink() or not path.is_file():
-                f.problem = f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink() else "missing"
+                f.problem = (f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink()
+                             else "missing")
                 continue
             f.data = path.read_bytes()
             if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
@@ -326,7 +327,7 @@ class Survey:
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
-        links, bad, edits = self.having("symbolic link"), self.having("missing") or self.having("conflicting"), self.edits()
+        links, bad = self.having("symbolic link"), self.having("missing") or self.having("conflicting")
         if links:
             raise SeriesError("files the series changes are symbolic links, which apply and reverse would replace by "
                               f"regular files: {'; '.join(self.files[r].problem[15:] for r in links)}; nothing changed "
@@ -334,13 +335,14 @@ class Survey:
                               "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
         if bad:
             why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
-                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote{series_note()}")
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote"
+                   f"{series_note()}")
             raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
                               f"then {restore_hint(self.target, bad)}")
-        if edits and not force:
+        if self.edits() and not force:
             keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
             raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
-                              f"outside the series' changes): {self.target.show(*edits)}; pass "
+                              f"outside the series' changes): {self.target.show(*self.edits())}; pass "
                               f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
                               "nothing changed")
 

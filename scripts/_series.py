@@ -66,13 +66,14 @@ def read_pin(path: Path = ROOT / "sglang.pin") -> tuple[str, str]:
 EXPECTED_VERSION, UPSTREAM_COMMIT = read_pin()
 
 
-def run_script(name: str, *args, check: bool = False):
-    """Another of these scripts, run with this Python, its output captured; with ``check``, the
-    last line it prints (a path), or a SeriesError when it fails."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True, text=True)
+def run_script(name: str, *args, check: bool = False) -> subprocess.CompletedProcess:
+    """Another of these scripts, run with this Python, its output captured; with ``check``, one 'error:'
+    line and exit 1 when it fails (build-pristine has no cli())."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
+                          text=True)
     if check and proc.returncode != 0:
-        raise SeriesError(f"scripts/{name} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip().splitlines()[-1] if check else proc
+        fail(f"scripts/{name} failed: {proc.stderr.strip()}")
+    return proc
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:
@@ -95,17 +96,18 @@ def patch_name(number: int, subject: str) -> str:
     return f"{number:04d}-{'-'.join(kept) or (words[0][:60] if words else 'patch')}.patch"
 
 
+def git(folder: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise SeriesError(f"git {' '.join(args)} in {folder} failed: {proc.stderr.strip()}")
+    return proc
+
+
 def work_git(option: str | None):
     """import/export-patches' work folder (--work, $SERIES_WORK, build/work) and a git runner in it."""
     work = Path(option or os.environ.get("SERIES_WORK") or ROOT / "build" / "work").resolve()
-    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}  # git am
-
-    def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["git", "-C", str(work), *args], capture_output=True, text=True, env=env)
-        if check and proc.returncode != 0:
-            raise SeriesError(f"git {' '.join(args)} in {work} failed: {proc.stderr.strip()}")
-        return proc
-    return work, git
+    env = {"GIT_COMMITTER_NAME": "series import", "GIT_COMMITTER_EMAIL": "series-import@localhost", **os.environ}
+    return work, lambda *args, check=True: git(work, *args, check=check, env=env)  # the committer: git am's
 
 
 def sha(data: bytes) -> str:
@@ -117,8 +119,7 @@ def blob(data: bytes) -> str:
 
 
 def series_note() -> str:
-    edited = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(SERIES_FILE)],
-                            capture_output=True).returncode == 1
+    edited = git(ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
     return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
             "git checkout -- patches/series restores it)" if edited else "")
 
@@ -143,12 +144,11 @@ class Series:
             if not path.is_file():
                 raise SeriesError(f"{SERIES_FILE} lists {path.name}, which does not exist{series_note()}")
             self.patches.append(path.name)
-            data = path.read_bytes()
-            starts = [m.start() for m in re.finditer(rb"^diff --git ", data, re.M)]
-            if not starts:
+            sections = re.split(rb"^(?=diff --git )", path.read_bytes(), flags=re.M)[1:]  # [0]: the message
+            if not sections:
                 raise SeriesError(f"{path.name}: no 'diff --git' section")
-            for begin, end in zip(starts, starts[1:] + [len(data)]):
-                self._add(path.name, data[begin:end])
+            for text in sections:
+                self._add(path.name, text)
         # The digest (the record's, the reports'): the sha256 of `sha256sum series PATCH...` in patches/.
         listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
         self.files, self.digest = list(self.by_file), sha(listing.encode())
@@ -240,8 +240,7 @@ def check_version(target: Target) -> str:
                           "(pip install --force-reinstall --no-deps sglang==VERSION rewrites the right one)")
     if not found and infos and (infos[0] / "METADATA").is_file():
         found = re.search(r"^Version: (\S+)", (infos[0] / "METADATA").read_text(errors="replace"), re.M)
-    head = "" if found else subprocess.run(["git", "-C", str(target.package_dir), "rev-parse", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip()
+    head = "" if found else git(target.package_dir, "rev-parse", "HEAD", check=False).stdout.strip()
     version = found[1] if found else EXPECTED_VERSION if head == UPSTREAM_COMMIT else f"unknown (git commit {head})"
     if not found and not head:
         raise SeriesError(f"cannot tell the SGLang version of {target.package_dir}: no _version.py, no dist-info "
@@ -267,38 +266,42 @@ class Survey:
     local edits over the series (git apply -R applies) or under it (git apply applies), or conflict."""
 
     def __init__(self, target: Target, series: Series):
-        pkg, self.target, self.files = target.package_dir, target, {}
-        self.record = read_record(pkg)
+        pkg, self.target, self.files, self.record = target.package_dir, target, {}, None
+        try:
+            if (pkg / RECORD).exists():
+                self.record = json.loads((pkg / RECORD / "record.json").read_text())
+                assert isinstance(self.record["digest"], str) and isinstance(self.record["files"], dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+            raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer "
+                              "version; remove it only if the tree's files are SGLang's own")
         self.outdated = bool(self.record) and self.record["digest"] != series.digest
         recorded = self.record["files"] if self.record else {}
         for rel in dict.fromkeys(series.files + list(recorded)):
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
             if path.is_symlink() or not path.is_file():
-                f.problem = f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink() else "missing"
+                f.problem = (f"symbolic link: {target.show(rel)} -> {os.readlink(path)}" if path.is_symlink()
+                             else "missing")
                 continue
             f.data = path.read_bytes()
             if rel in recorded and sha(f.data) == recorded[rel]["written"] and kept.is_file() \
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
-                f.base, f.held = kept.read_bytes(), None if self.outdated else len(sections)
+                f.base, f.held = kept.read_bytes(), len(sections)
                 f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
             if f.held is not None:  # the blob after K sections: undone, it must be the blob SGLang's file has
                 undone = git_apply({rel: f.data}, sections[:f.held], reverse=True)
-                if undone and blob(undone[rel]).startswith(blobs[0]):
-                    f.base = undone[rel]
-                else:
-                    f.problem, f.held = "conflicting", None
+                f.base = undone[rel] if undone and blob(undone[rel]).startswith(blobs[0]) else None
             elif sections and (undone := git_apply({rel: f.data}, sections, reverse=True)) is not None:
                 f.base, f.held, f.edited = undone[rel], len(sections), True
             elif sections and git_apply({rel: f.data}, sections) is not None:
                 f.base, f.held, f.edited = f.data, 0, True
-            else:
-                f.problem = "conflicting"
-        self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting
-        for name in series.patches:
+            if f.base is None:  # no SGLang bytes under it
+                f.problem, f.held = "conflicting", None
+        self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting; none if outdated
+        for name in [] if self.outdated else series.patches:
             mine = [s for s in series.sections if s.patch == name]
             held = sum(self.files[s.rel].held is not None and s.index < self.files[s.rel].held for s in mine)
             self.patches.append(
@@ -306,6 +309,7 @@ class Survey:
                 if any(self.files[s.rel].held is None for s in mine) else
                 (name, "applied" if held == len(mine) else "partly applied" if held else "not applied",
                  f"in {held} of {len(mine)} files" if 0 < held < len(mine) else ""))
+        self.present = [name for name, state, _ in self.patches if state != "not applied"]  # wholly or in part
         states = {state for _, state, _ in self.patches}
         self.state = ("outdated" if self.outdated else "conflicting" if "conflicting" in states else
                       "applied" if states == {"applied"} else "pristine" if states == {"not applied"} else "partial")
@@ -323,7 +327,7 @@ class Survey:
 
     def refuse_unsafe(self, verb: str, force: bool) -> None:
         """Stop before writing unless each file is SGLang's, the series' or (forced) edits of them."""
-        links, bad, edits = self.having("symbolic link"), self.having("missing") or self.having("conflicting"), self.edits()
+        links, bad = self.having("symbolic link"), self.having("missing") or self.having("conflicting")
         if links:
             raise SeriesError("files the series changes are symbolic links, which apply and reverse would replace by "
                               f"regular files: {'; '.join(self.files[r].problem[15:] for r in links)}; nothing changed "
@@ -331,27 +335,16 @@ class Survey:
                               "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
         if bad:
             why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
-                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote{series_note()}")
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote"
+                   f"{series_note()}")
             raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
                               f"then {restore_hint(self.target, bad)}")
-        if edits and not force:
+        if self.edits() and not force:
             keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
             raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
-                              f"outside the series' changes): {self.target.show(*edits)}; pass "
+                              f"outside the series' changes): {self.target.show(*self.edits())}; pass "
                               f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
                               "nothing changed")
-
-
-def read_record(pkg: Path) -> dict | None:
-    if not (pkg / RECORD).exists():
-        return None
-    try:
-        record = json.loads((pkg / RECORD / "record.json").read_text())
-        assert isinstance(record["digest"], str) and isinstance(record["files"], dict)
-        return record
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer version; "
-                          "remove it only if the tree's files are SGLang's own")
 
 
 def restore_hint(target: Target, rels: list[str]) -> str:
@@ -518,8 +511,7 @@ def apply(path: str, force: bool) -> int:
         transact(target.package_dir, "apply", {rel: data for rel, data in new.items() if data != found.files[rel].data},
                  record)
     print(f"applied {len(series.patches)} patches to {target.package_dir} (SGLang {version}, {target.layout} layout)")
-    print("".join(f"  already in before: {name}\n" for name, state, _ in found.patches
-                  if state != "not applied" and not found.outdated), end="")
+    print("".join(f"  already in before: {name}\n" for name in found.present), end="")
     return 0
 
 
@@ -531,7 +523,7 @@ def reverse(path: str, force: bool) -> int:
         found.refuse_unsafe("reverse", force)
         transact(target.package_dir, "reverse", {rel: f.base for rel, f in found.files.items() if f.base != f.data},
                  None)
-    undone = found.record["patches"] if found.outdated else [n for n, state, _ in found.patches if state != "not applied"]
+    undone = found.record["patches"] if found.outdated else found.present
     print(f"reversed {len(undone)} patches in {target.package_dir}" + "".join(f"\n  {name}" for name in undone))
     return 0
 
@@ -544,7 +536,7 @@ def status(path: str) -> int:
         print(f"  applied by scripts/apply from another patches/ (digest {found.record['digest'][:12]}, "
               f"{len(found.record['patches'])} patches): scripts/apply replaces it, scripts/reverse takes it out")
     marks = {"applied": "x", "not applied": " ", "partly applied": "~", "conflicting": "!"}
-    for name, state, detail in [] if found.outdated else found.patches:
+    for name, state, detail in found.patches:
         print(f"  [{marks[state]}] {name}: {state}" + (f" ({detail})" if detail else ""))
     for what in ("missing", "conflicting"):
         if found.having(what):

@@ -15,12 +15,13 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.support.series_trees import (LAYOUTS, REAL, RECORD, digest, fake, git_apply, needs_pristine,  # noqa: F401
-                                        package, synthetic)
+from tests.support.series_trees import (LAYOUTS, REAL, RECORD, digest, fake, git, git_apply,  # noqa: F401
+                                        needs_pristine, package, synthetic)
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -356,6 +357,35 @@ def test_fetch_wheel_takes_only_a_wheel_for_the_interpreter_asked_for(fake, tmp_
     assert fetch("311") == "sglang-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"
     assert fetch("312") == "sglang-0.5.20-cp312-cp312-manylinux_2_34_x86_64.whl"
     assert fetch("311") == "sglang-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"  # from the cache
+
+
+def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake, tmp_path):
+    """Without the submodule: the wheel's sglang/ as build/sglang-wheel/python/sglang, committed
+    and tagged; a second run takes it as it is (no download); an edited tree is refused in one
+    line, not silently rebuilt or used."""
+    wheel = fake.root / "build" / "cache" / "tag" / "sglang-0.5.20-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("sglang/__init__.py", "")
+        archive.writestr("sglang/_version.py", "__version__ = version = '0.5.20'\n")
+        archive.writestr("sglang-0.5.20.dist-info/METADATA", "Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.20\n")
+    python = tmp_path / "python"  # reports the cache's tag; a download fails
+    python.write_text('#!/bin/sh\ncase "$2" in *cache_tag*) echo tag; exit 0;; esac\nexit 1\n')
+    python.chmod(0o755)
+    env = {"PYTHON": str(python)}
+    first = fake.run("build-pristine", env=env)
+    tree = fake.root / "build" / "sglang-wheel"
+    assert first.returncode == 0 and first.stdout.strip() == str(tree), first.stderr
+    assert (tree / "python/sglang/_version.py").read_text() == "__version__ = version = '0.5.20'\n"
+    head = git(tree, "rev-parse", "v0.5.20-wheel^{commit}").strip()
+    wheel.unlink()  # a rebuild would need it
+    again = fake.run("build-pristine", env=env)
+    assert again.returncode == 0 and again.stdout.strip() == str(tree), again.stderr
+    assert git(tree, "rev-parse", "HEAD").strip() == head
+    (tree / "python/sglang/__init__.py").write_text("edited = True\n")
+    refused = fake.run("build-pristine", env=env)
+    assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert "is not pristine" in refused.stderr and f"git -C {tree} checkout -f v0.5.20-wheel" in refused.stderr
 
 
 def test_git_apply_ignores_the_users_git_configuration_and_repositories(fake, tmp_path):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.series_trees import (LAYOUTS, REAL, RECORD, digest, fake, git, git_apply,  # noqa: F401
-                                        needs_pristine, package, synthetic)
+from tests.support.series_trees import (FAKE_PATCHES, LAYOUTS, REAL, RECORD, digest, fake, git,  # noqa: F401
+                                        git_apply, needs_pristine, package, synthetic)
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -416,3 +416,46 @@ def test_a_file_is_trusted_only_as_the_blob_the_series_names_for_sglangs_own(fak
     status = fake.run("status", tree)
     assert status.returncode == 3 and "conflicting" in first_line(status), status.stdout
     assert fake.run("reverse", tree).returncode == 1 and digest(tree) == before
+
+
+def test_import_patches_replaces_only_a_work_folder_of_its_own_with_nothing_to_lose(fake, tmp_path):
+    """Another repository, uncommitted work, unexported commits, an unfinished import and a
+    pristine tree that is not one are refused in one line, and what was there is kept."""
+    pristine, work = fake.pristine.parents[1], tmp_path / "work"
+
+    def imported(*args, into=work, source=pristine):
+        return fake.run("import-patches", "--work", into, "--pristine", source, *args)
+
+    def subjects() -> list[str]:
+        return git(work, "log", "--reverse", "--format=%s", "series-base..HEAD").splitlines()
+
+    def refused(proc, message: str) -> None:
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "mine.txt").write_text("mine\n")
+    git(other, "init", "-q")
+    git(other, "add", "-A")
+    git(other, "commit", "-qm", "mine")
+    refused(imported(into=other), "is a git repository but not a work folder of this series")
+    assert (other / "mine.txt").read_text() == "mine\n" and git(other, "log", "--format=%s") == "mine\n"
+
+    first = imported()
+    assert first.returncode == 0 and "imported 3 patches" in first.stdout, first.stderr
+    assert subjects() == [subject for subject, _ in FAKE_PATCHES]
+    refused(imported(source=tmp_path / "nowhere"), "is not a git tree of SGLang")
+    assert subjects() == [subject for subject, _ in FAKE_PATCHES]
+
+    edited = work / "python/sglang/srt/cache.py"
+    edited.write_text(edited.read_text() + "EXTRA = 1\n")
+    refused(imported(), "has uncommitted changes")
+    assert edited.read_text().endswith("EXTRA = 1\n")
+    git(work, "commit", "-qam", "mine too")
+    refused(imported(), "has commits not yet exported")
+    assert subjects()[-1] == "mine too"
+    git(work, "tag", "-d", "series-exported")
+    refused(imported(), "holds an import that did not finish")
+    assert subjects()[-1] == "mine too"
+    again = imported("--force")
+    assert again.returncode == 0 and subjects() == [subject for subject, _ in FAKE_PATCHES], again.stderr

@@ -96,7 +96,15 @@ def patch_name(number: int, subject: str) -> str:
     return f"{number:04d}-{'-'.join(kept) or (words[0][:60] if words else 'patch')}.patch"
 
 
+# git rev-parse --local-env-vars: set in the caller's environment (a git hook, a shell in another
+# repository), they would point every command here at that repository instead of ``folder``
+LOCAL_GIT_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY",
+                  "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_IMPLICIT_WORK_TREE", "GIT_PREFIX", "GIT_SHALLOW_FILE",
+                  "GIT_GRAFT_FILE", "GIT_NAMESPACE")
+
+
 def git(folder: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in (env or os.environ).items() if k not in LOCAL_GIT_VARS}
     proc = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
         raise SeriesError(f"git {' '.join(args)} in {folder} failed: {proc.stderr.strip()}")
@@ -119,7 +127,10 @@ def blob(data: bytes) -> str:
 
 
 def series_note() -> str:
-    edited = git(ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
+    """What to say of patches/series where it differs from the committed one (nothing outside a
+    git checkout, e.g. in the image, where there is nothing to compare with)."""
+    edited = git(ROOT, "rev-parse", "-q", "--verify", "HEAD", check=False).returncode == 0 and git(
+        ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
     return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
             "git checkout -- patches/series restores it)" if edited else "")
 

@@ -104,9 +104,16 @@ def test_an_environment_that_cannot_import_sglang_is_left_unpatched(tmp_path):
     assert listing(site) == before
 
 
-def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
-    """Here the interpreter stops importing SGLang once the tree is patched."""
+@pytest.mark.parametrize("local_edit", [False, True])
+def test_a_failure_after_patching_takes_the_series_out_again(tmp_path, local_edit):
+    """Here the interpreter stops importing SGLang once the tree is patched; with --force over a
+    local edit, taking the series out brings the edit back."""
     site = copy_pristine(tmp_path / "site")
+    if local_edit:  # a new file, not a write through the hard link into the pristine tree
+        edited = site / "sglang" / REAL.files[1]
+        text = edited.read_text()
+        edited.unlink()
+        edited.write_text("# a local edit\n" + text)
     reason = "SimulatedError: " + " ".join(f"word{i}" for i in range(120))  # far longer than any cut
     python = tmp_path / "python"
     python.write_text(textwrap.dedent(f"""\
@@ -120,7 +127,7 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path):
         """))
     python.chmod(0o755)
     before = listing(site)
-    proc = install(site, python=str(python))
+    proc = install(site, *(["--force"] if local_edit else []), python=str(python))
     assert proc.returncode == 1 and reason in proc.stderr
     assert "the series was taken out again; the tree is as it was" in proc.stderr
     assert listing(site) == before

@@ -447,12 +447,25 @@ def test_import_patches_replaces_only_a_work_folder_of_its_own_with_nothing_to_l
     assert first.returncode == 0 and "imported 3 patches" in first.stdout, first.stderr
     assert subjects() == [subject for subject, _ in FAKE_PATCHES]
     refused(imported(source=tmp_path / "nowhere"), "is not a git tree of SGLang")
+    refused(imported(source=work), "is not a git tree of SGLang")
+    refused(imported(source=other), "python/sglang")   # a git tree, but not SGLang's
     elsewhere = {"GIT_DIR": str(work / ".git"), "GIT_WORK_TREE": str(work)}  # a shell in another repository
     refused(fake.run("import-patches", "--work", other, "--pristine", pristine, env=elsewhere), "not a work folder")
     assert (other / "mine.txt").read_text() == "mine\n"
     assert subjects() == [subject for subject, _ in FAKE_PATCHES]
 
     edited = work / "python/sglang/srt/cache.py"
+    git(work, "checkout", "-qb", "experiment")
+    edited.write_text(edited.read_text() + "EXPERIMENT = 1\n")
+    git(work, "commit", "-qam", "an experiment")
+    git(work, "checkout", "-q", "patched")
+    refused(imported(), "has commits not yet exported (on any branch)")
+    git(work, "branch", "-qD", "experiment")
+    edited.write_text(edited.read_text() + "STASHED = 1\n")
+    git(work, "stash", "-q")
+    refused(imported(), "has stashed changes")
+    assert "STASHED" in git(work, "stash", "show", "-p")
+    git(work, "stash", "drop", "-q")
     edited.write_text(edited.read_text() + "EXTRA = 1\n")
     refused(imported(), "has uncommitted changes")
     assert edited.read_text().endswith("EXTRA = 1\n")

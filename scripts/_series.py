@@ -118,6 +118,26 @@ def work_git(option: str | None):
     return work, lambda *args, check=True: git(work, *args, check=check, env=env)  # the committer: git am's
 
 
+def tagged(git, name: str) -> bool:
+    return bool(git("rev-parse", "-q", "--verify", f"refs/tags/{name}", check=False).stdout.strip())
+
+
+def mark_exported(git, patches: Path = PATCH_DIR) -> None:
+    """Tag series-exported at HEAD with what patches/ holds now: export-patches then sees a patches/
+    changed since (a pull, an edit) that an export from this work folder would undo."""
+    git("tag", "-f", "-a", "-m", f"patches/ sha256 {patches_digest(patches)}", "series-exported", "HEAD")
+
+
+def exported_digest(git) -> str | None:
+    found = re.search(r"patches/ sha256 (\w+)", git("tag", "-l", "--format=%(contents)", "series-exported").stdout)
+    return found[1] if found else None  # a work folder tagged before the digest was recorded: unknown
+
+
+def patches_digest(patches: Path = PATCH_DIR) -> str:
+    files = sorted(p for p in patches.iterdir() if p.name == "series" or re.fullmatch(r"\d{4}-.*\.patch", p.name))
+    return sha(b"".join(p.name.encode() + b"\0" + sha(p.read_bytes()).encode() + b"\n" for p in files))
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

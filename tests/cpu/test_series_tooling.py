@@ -477,3 +477,42 @@ def test_import_patches_replaces_only_a_work_folder_of_its_own_with_nothing_to_l
     assert subjects()[-1] == "mine too"
     again = imported("--force")
     assert again.returncode == 0 and subjects() == [subject for subject, _ in FAKE_PATCHES], again.stderr
+
+
+def test_export_patches_writes_only_where_it_may(fake, tmp_path):
+    """Another folder's series, a patches/ changed since the import (a pull) and a folder that is
+    not a work folder are refused in one line and kept; a new folder gets the series."""
+    work, patches = tmp_path / "work", fake.root / "patches"
+    assert fake.run("import-patches", "--work", work, "--pristine", fake.pristine.parents[1]).returncode == 0
+
+    def exported(*args, into=work):
+        return fake.run("export-patches", "--work", into, *args)
+
+    def refused(proc, message: str) -> None:
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "0001-their-fix.patch").write_text("theirs\n")
+    (theirs / "series").write_text("0001-their-fix.patch\n")
+    refused(exported("--out", theirs), "holds a series already")
+    assert sorted(p.name for p in theirs.iterdir()) == ["0001-their-fix.patch", "series"]
+    new = exported("--out", tmp_path / "new")
+    assert new.returncode == 0, new.stderr
+    names = (tmp_path / "new" / "series").read_text().split()
+    assert [(tmp_path / "new" / name).read_bytes() for name in names] == [p.read_bytes() for p in fake.patches]
+
+    pulled = fake.patches[1]
+    pulled.write_text(pulled.read_text() + "-- \na change pulled after the import\n")
+    refused(exported(), "patches/ changed since")
+    assert pulled.read_text().endswith("a change pulled after the import\n")
+    assert exported("--force").returncode == 0 and "pulled after" not in pulled.read_text()
+    assert exported().returncode == 0  # what it exported is what patches/ holds now
+    pulled.write_text(pulled.read_text() + "-- \nanother pull\n")
+    refused(exported(), "patches/ changed since")  # each export records what it wrote
+
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    refused(exported(into=other), "is not a work folder of this series")
+    assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series"]

@@ -363,8 +363,8 @@ def test_fetch_wheel_takes_only_a_wheel_for_the_interpreter_asked_for(fake, tmp_
 
 def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake, tmp_path):
     """Without the submodule: the wheel's sglang/ as build/sglang-wheel/python/sglang, committed
-    and tagged; a second run takes it as it is (no download); an edited tree is refused in one
-    line, not silently rebuilt or used."""
+    and tagged (what a stopped run left is not taken); a second run takes it as it is (no
+    download); an edited tree, or a repository without the tag, is refused in one line and kept."""
     wheel = fake.root / "build" / "cache" / "tag" / "sglang-0.5.20-py3-none-any.whl"
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -375,9 +375,13 @@ def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake,
     python.write_text('#!/bin/sh\ncase "$2" in *cache_tag*) echo tag; exit 0;; esac\nexit 1\n')
     python.chmod(0o755)
     env = {"PYTHON": str(python)}
-    first = fake.run("build-pristine", env=env)
     tree = fake.root / "build" / "sglang-wheel"
+    stopped = tree.with_name("sglang-wheel.partial")  # what a stopped run leaves
+    (stopped / "python/sglang").mkdir(parents=True)
+    (stopped / "python/sglang/half.py").write_text("")
+    first = fake.run("build-pristine", env=env)
     assert first.returncode == 0 and first.stdout.strip() == str(tree), first.stderr
+    assert not stopped.exists() and not (tree / "python/sglang/half.py").exists()
     assert (tree / "python/sglang/_version.py").read_text() == "__version__ = version = '0.5.20'\n"
     head = git(tree, "rev-parse", "v0.5.20-wheel^{commit}").strip()
     wheel.unlink()  # a rebuild would need it
@@ -388,6 +392,10 @@ def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake,
     refused = fake.run("build-pristine", env=env)
     assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
     assert "is not pristine" in refused.stderr and f"git -C {tree} checkout -f v0.5.20-wheel" in refused.stderr
+    git(tree, "tag", "-d", "v0.5.20-wheel")  # a repository there that is not the one this script makes
+    foreign = fake.run("build-pristine", env=env)
+    assert foreign.returncode == 1 and "exists but is not the tree scripts/build-pristine makes" in foreign.stderr
+    assert (tree / "python/sglang/__init__.py").read_text() == "edited = True\n"
 
 
 def test_git_apply_ignores_the_users_git_configuration_and_repositories(fake, tmp_path):

@@ -301,7 +301,11 @@ class Survey:
         try:
             if (pkg / RECORD).exists():
                 self.record = json.loads((pkg / RECORD / "record.json").read_text())
-                assert isinstance(self.record["digest"], str) and isinstance(self.record["files"], dict)
+                record = self.record  # its shape, before anything is read from it or written after it
+                assert isinstance(record["digest"], str) and isinstance(record["patches"], list)
+                assert isinstance(record["files"], dict) and all(
+                    isinstance(entry, dict) and all(isinstance(entry.get(key), str) for key in ("pristine", "written"))
+                    for entry in record["files"].values())
         except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
             raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer "
                               "version; remove it only if the tree's files are SGLang's own")

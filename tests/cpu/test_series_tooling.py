@@ -301,10 +301,20 @@ def test_an_edited_series_is_refused_and_named(fake, tmp_path, checkout):
     assert digest(tree) == before
 
 
-def test_an_unreadable_record_is_named_and_left_alone(fake, tmp_path):
+@pytest.mark.parametrize("damage", ["not json", "no patches", "a file's entry not a dict"])
+def test_an_unreadable_record_is_named_and_left_alone(fake, tmp_path, damage):
+    """Not JSON, or JSON of another shape (edited by hand, another tool's): read before anything is
+    written, so a reverse cannot stop halfway on it."""
     tree = fake.tree(tmp_path / "tree")
-    (package(tree, "installed") / RECORD).mkdir()
-    (package(tree, "installed") / RECORD / "record.json").write_text("not json")
+    assert fake.run("apply", tree).returncode == 0
+    record = package(tree, "installed") / RECORD / "record.json"
+    data = json.loads(record.read_text())
+    data["digest"] = "another series"  # outdated: reverse would undo the record's patches
+    if damage == "no patches":
+        del data["patches"]
+    else:
+        data["files"][fake.files[0]] = 1
+    record.write_text("not json" if damage == "not json" else json.dumps(data))
     before = digest(tree)
     for verb in ("apply", "reverse", "status"):
         proc = fake.run(verb, tree)

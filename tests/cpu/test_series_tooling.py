@@ -534,3 +534,12 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     git(other, "init", "-q")
     refused(exported(into=other), "is not a work folder of this series")
     assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series"]
+
+
+def test_check_refuses_a_tree_that_is_not_pristine(fake, tmp_path):
+    """Its round trips start from SGLang as released: from a patched tree they would report the
+    series broken."""
+    tree = fake.tree(tmp_path / "tree", "checkout", patched=True)
+    proc = fake.run("check", tree)
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "is not pristine (" in proc.stderr and "series applied" in proc.stderr

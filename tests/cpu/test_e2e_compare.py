@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gzip
 import json
 import math
 import os
@@ -710,6 +711,44 @@ def test_without_port_a_run_takes_a_free_block_outside_the_ephemeral_range(fake_
 def test_a_report_that_is_not_there_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: .*missing\.json: no such report"):
         e2e.main(["--table", str(tmp_path / "missing.json")])
+
+
+def test_a_journal_cut_mid_line_by_a_kill_tables_its_whole_rows(tmp_path, capsys):
+    lines = gzip.decompress((ROOT / "docs/runs/e2e/2026-12-03-h200-smollm2-graphs-on/report.rows.jsonl.gz")
+                            .read_bytes()).decode().splitlines(keepends=True)
+    torn = tmp_path / "run.rows.jsonl"
+    torn.write_text("".join(lines[:-1]) + lines[-1][:100])
+    assert e2e.main(["--table", str(torn)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 + len(lines) - 1   # head, rule, each whole row
+    torn.write_text(lines[0][:100] + "\n" + "".join(lines[1:]))            # not the last line: not a kill
+    with pytest.raises(SystemExit, match=r"^error: .*run\.rows\.jsonl: not a report or journal of this tool"):
+        e2e.main(["--table", str(torn)])
+
+
+@pytest.mark.parametrize("name,content", [
+    ("bad.json", b"{"), ("binary.json", bytes(range(256))), ("plain.json.gz", b"{}"),
+    ("cut.json.gz", gzip.compress(b'{"rows": []}')[:-12]),
+    ("corrupt.json.gz", gzip.compress(b"x" * 99)[:10] + b"\xff" * 30),
+    ("empty.json", b"{}"), ("list.json", b"[]"), ("rows.json", b'{"rows": [{"key": "a/b/native"}]}'),
+    ("bench.json", (ROOT / "bench/results/2026-12-04-h200-bench-server-warm-up/report.json").read_bytes()),
+])
+def test_a_report_it_cannot_read_or_of_another_tool_is_refused_in_one_line(tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SystemExit, match=rf"^error: .*{name}: not a report or journal of this tool \(\w+: [^\n]*\)$"):
+        e2e.main(["--table", str(tmp_path / name)])
+
+
+def test_an_out_it_cannot_write_or_flags_it_cannot_split_are_refused_before_any_row(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder").mkdir()
+    for args, message in ((["--out", str(tmp_path / "file" / "r.json")], "cannot make the folder"),
+                          (["--out", str(tmp_path / "folder")], "is a folder: name a file"),
+                          (["--server-flags", '"x', "--out", str(tmp_path / "r.json")], "No closing quotation")):
+        with pytest.raises(SystemExit) as exc:
+            e2e.options(["--case", "qwen2-tiny", *args])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    e2e.options(["--case", "qwen2-tiny", "--out", str(tmp_path / "new" / "r.json")])
+    assert (tmp_path / "new").is_dir()     # made up front: the rows' journal and logs go beside it
 
 
 @pytest.fixture

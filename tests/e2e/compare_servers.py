@@ -43,7 +43,6 @@ import gzip
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -51,6 +50,7 @@ import threading
 import time
 import traceback
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -89,7 +89,7 @@ class Runner:
         self.started = time.time()
         self.logs = Path(opts.logs or Path(opts.out).with_suffix("").as_posix() + "-logs")
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
+        self.extra_flags = servers.split_flags(opts.server_flags)
         self.extra_env = servers.parse_env(opts.env)
         # SGLang's DeepSeek and EAGLE paths import deep_gemm: the import-only stand-in
         # (ci/rig/README.md) last on a local server's path where the interpreter lacks it
@@ -338,10 +338,13 @@ def environment(opts) -> dict:
 
 def read_rows(path: Path, logprob_tol: float) -> list[dict]:
     """The rows of a report or of a run's journal (either gzipped or not), judged again
-    from their raw runs."""
+    from their raw runs; a journal's torn last line (its run was killed writing it) left out."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     if path.name.removesuffix(".gz").endswith(".jsonl"):
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
+        rows = [json.loads(line) for line in lines[:-1]]
+        with contextlib.suppress(json.JSONDecodeError):
+            rows += [json.loads(line) for line in lines[-1:]]
     else:
         rows = json.loads(text)["rows"]
     judge.judge(rows, logprob_tol)
@@ -397,8 +400,11 @@ def options(argv=None):
         ap.error("--jobs must be at least 1")
     try:
         servers.parse_env(opts.env)
+        servers.split_flags(opts.server_flags)
     except ValueError as exc:
         ap.error(str(exc))
+    if not (opts.table or opts.list) and (why := servers.make_out(opts.out)):
+        ap.error(why)
     return opts
 
 
@@ -408,7 +414,11 @@ def main(argv=None) -> int:
         for path in opts.table:
             if not Path(path).is_file():
                 raise SystemExit(f"error: {path}: no such report (a report.json[.gz] or its .rows.jsonl journal)")
-            print(judge.markdown_table(read_rows(Path(path), opts.logprob_tol)))
+            try:
+                print(judge.markdown_table(read_rows(Path(path), opts.logprob_tol)))
+            except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+                # unreadable (not gzip, not JSON, not text) or another tool's report
+                raise SystemExit(f"error: {path}: not a report or journal of this tool ({type(exc).__name__}: {exc})")
         return 0
     try:
         rows = matrix.skip_rows(matrix.build_rows(matrix.select_cases(opts.case, opts.pool, opts.case_set),
@@ -422,7 +432,6 @@ def main(argv=None) -> int:
         return 0
     trees = servers.check_trees(opts.pristine_path, opts.patched_path) if opts.launcher == "local" else {}
     plan = matrix.Plan()
-    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:], "trees": trees,
               "patches": servers.patches_state(), "environment": environment(opts), "plan": asdict(plan),
               "logprob_tol": opts.logprob_tol}

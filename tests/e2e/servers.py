@@ -17,9 +17,10 @@ session, so a stop reaches every process it started: scheduler, detokenizer, TP 
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
 range, the launch command of the `local` (this host, a tree first on PYTHONPATH) and
 `docker` launchers, the process environment of a local server, whether a module it needs
-is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE options, the state of a
-tree (scripts/status), the series digest, what ran (GPU, driver, the versions a tree
-imports), and the image names pinned in sglang.pin.
+is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE and --server-flags options,
+--out checked and its folder made before any work, the state of a tree (scripts/status),
+the series digest, what ran (GPU, driver, the versions a tree imports), and the image
+names pinned in sglang.pin.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -86,6 +88,28 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--env takes KEY=VALUE, not {pair!r}")
         env[key] = value
     return env
+
+
+def split_flags(chunks: list[str], option: str = "--server-flags") -> list[str]:
+    """Option strings split like a shell; a ValueError naming the option where one cannot be
+    (an unclosed quote)."""
+    try:
+        return [f for chunk in chunks for f in shlex.split(chunk)]
+    except ValueError as exc:
+        raise ValueError(f"{option} {' '.join(chunks)!r}: {exc}") from None
+
+
+def make_out(path: str | Path, folder: bool = False) -> str:
+    """--out before any work: the folder it goes in made (with `folder`: itself), so that a
+    run does not fail at its end; why it cannot be written, else ''."""
+    path = Path(path)
+    if path.is_dir() and not folder:
+        return f"--out {path} is a folder: name a file"
+    try:
+        (path if folder else path.parent).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:      # a file where a folder must be, or no permission
+        return f"--out {path}: cannot make the folder {exc.filename} ({exc.strerror})"
+    return ""
 
 
 def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:

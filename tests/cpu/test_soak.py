@@ -310,6 +310,33 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
     assert "no journal" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
     assert soak.main(["--table", str(tmp_path / "bad.json")]) == 2
+    bench = ROOT / "bench/results/2026-12-04-h200-bench-server-warm-up/report.json"
+    for name, text in (("empty.json", "{}"), ("list.json", "[]"), ("bench.json", bench.read_text())):
+        (tmp_path / name).write_text(text)
+        assert soak.main(["--table", str(tmp_path / name)]) == 2   # another tool's report, named
+        assert f"{name}: not a soak report it can read" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:    # before it detaches: its log would go there too
+        soak.main(["--out", str(tmp_path / "file" / "r.json"), "--detach"])
+    assert exc.value.code == 2 and "cannot make the folder" in capsys.readouterr().err
+
+
+def test_rebuild_writes_a_report_only_from_a_journal_and_never_over_it(tmp_path, capsys):
+    events = tmp_path / "run.events.jsonl"
+    events.write_text(json.dumps({"type": "start", "config": {}}) + '\n{"type": "fin')   # a torn last line
+    journal = events.read_bytes()
+    assert soak.main(["--rebuild", str(events), "--out", str(tmp_path / "." / events.name)]) == 2
+    assert "is the journal --rebuild reads" in capsys.readouterr().err and events.read_bytes() == journal
+    for text in (b"garbage\n", b'"a string"\n{"type": "note"}\n', bytes(range(256))):
+        (tmp_path / "bad.jsonl").write_bytes(text)
+        assert soak.main(["--rebuild", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
+        assert "not a soak events journal (no start event)" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+    (tmp_path / "file").write_text("")
+    assert soak.main(["--rebuild", str(events), "--out", str(tmp_path / "file" / "r.json")]) == 2
+    assert "cannot make the folder" in capsys.readouterr().err
+    assert soak.main(["--rebuild", str(events), "--out", str(tmp_path / "new" / "r.json")]) == 0
+    assert json.loads((tmp_path / "new" / "r.json").read_text())["result"] == "fail"
 
 
 # --- the harness end to end, stand-in servers -------------------------------------------------

@@ -65,8 +65,7 @@ class Soak:
 
     def __init__(self, opts):
         self.opts = opts
-        self.out = Path(opts.out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out = Path(opts.out)    # its folder made by options()
         self.started = time.time()
         self.events_path = self.out.with_name(self.out.stem + ".events.jsonl")
         self.status_path = self.out.with_name(self.out.stem + ".status.json")
@@ -357,11 +356,32 @@ def options(argv=None):
         servers.parse_env(opts.env)
     except ValueError as exc:
         ap.error(str(exc))
+    if why := servers.make_out(opts.out):
+        ap.error(why)
     return opts
 
 
+def rebuild(events: str, out: str) -> int:
+    """--rebuild: the report of a run's journal written to --out, never over the journal."""
+    journal = verdict.read_journal(events) if Path(events).is_file() else None
+    if journal is None:
+        why = f"no journal at {events}"
+    elif Path(events).resolve() == Path(out).resolve():
+        why = f"--out {out} is the journal --rebuild reads: name another file"
+    elif not any(e.get("type") == "start" for e in journal):
+        why = f"{events}: not a soak events journal (no start event)"
+    else:
+        why = servers.make_out(out)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    report = verdict.summarize(journal)
+    Path(out).write_text(json.dumps(report, indent=1))
+    print(verdict.table({Path(out).name: report}))
+    return 0
+
+
 def detach(argv: list[str], out: Path) -> int:
-    out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_name(out.stem + ".log")
     args = [a for a in argv if a != "--detach"]
     with open(log, "w") as handle:
@@ -377,21 +397,18 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = options(argv)
     if opts.table:
-        try:
-            reports = {Path(p).name: json.loads(Path(p).read_text()) for p in opts.table}
-        except (OSError, json.JSONDecodeError) as exc:
-            print(f"error: cannot read a report: {exc}", file=sys.stderr)
-            return 2
+        reports = {}
+        for p in opts.table:
+            try:
+                reports[Path(p).name] = json.loads(Path(p).read_text())
+                verdict.table_row(p, reports[Path(p).name])    # another tool's report fails here, by name
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                print(f"error: {p}: not a soak report it can read ({type(exc).__name__}: {exc})", file=sys.stderr)
+                return 2
         print(verdict.table(reports))
         return 0
     if opts.rebuild:
-        if not Path(opts.rebuild).is_file():
-            print(f"error: no journal at {opts.rebuild}", file=sys.stderr)
-            return 2
-        report = verdict.summarize(verdict.read_journal(opts.rebuild))
-        Path(opts.out).write_text(json.dumps(report, indent=1))
-        print(verdict.table({Path(opts.out).name: report}))
-        return 0
+        return rebuild(opts.rebuild, opts.out)
     if opts.detach:
         return detach(argv, Path(opts.out))
     soak = Soak(opts)

@@ -29,13 +29,16 @@ LOAD_ROLES = ("ref-native", *KVCACHED_ROLES)
 
 
 def read_journal(path: str | Path) -> list[dict]:
-    """Events of a journal; a torn last line (the writer was killed) is skipped."""
+    """Events of a journal; a torn last line (the writer was killed) is skipped, and so is
+    any line that is not a JSON object (the file is not a journal)."""
     events = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 

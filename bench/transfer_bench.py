@@ -936,8 +936,10 @@ def main():
     host_layouts = tuple(args.host_layouts.split(","))
     if set(host_layouts) - set(HOST_LAYOUTS):
         ap.error(f"--host-layouts: any of {','.join(HOST_LAYOUTS)}")
-    if args.rounds < 1 or args.profiles < 1 or args.process_sets < 1:
-        ap.error("--rounds, --profiles, --process-sets: at least 1")
+    if unknown := sorted(set(args.modes.split(",")) - set(MODES)):   # else a child fails after others ran
+        ap.error(f"--modes: unknown {','.join(unknown)} (any of {','.join(MODES)})")
+    if args.reps < 1 or args.rounds < 1 or args.profiles < 1 or args.process_sets < 1:
+        ap.error("--reps, --rounds, --profiles, --process-sets: at least 1")
     if args.process_sets > 1 and not args.cell_by_cell:
         ap.error("--process-sets: with --cell-by-cell (whole-run children are fresh every round already)")
     if args.cell_by_cell and "mamba" in parts:
@@ -953,6 +955,8 @@ def main():
         return
     modes = args.modes.split(",")
     import torch
+    if not torch.cuda.is_available():
+        ap.error("measuring needs a CUDA GPU and torch sees none (--table reads saved runs on any machine)")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 reps=args.reps, profiles=args.profiles, page_size=PAGE, host_pages=args.host_pages, rounds=args.rounds,
                 cell_by_cell=args.cell_by_cell, process_sets=args.process_sets, tokens=args.tokens)

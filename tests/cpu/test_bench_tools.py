@@ -183,6 +183,7 @@ def test_each_variant_refuses_a_tree_without_the_series_state_it_claims(tmp_path
 def run_main(monkeypatch, tmp_path, *argv, cells=()):
     """transfer_bench.main() with its children and the GPU faked (serving children offer
     `cells`); returns (mode, args) per child started."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(transfer_bench, "table", lambda rows: "")
     seen = []
@@ -226,6 +227,8 @@ def test_process_sets_start_fresh_children_per_set_and_number_the_rounds_on(monk
     (("--tokens", "100"), "100: not a positive multiple of the page"),
     (("--tokens", "64,a"), "comma-separated whole numbers"),
     (("--profiles", "0"), "at least 1"),
+    (("--reps", "0"), "--reps, --rounds, --profiles, --process-sets: at least 1"),
+    (("--modes", "native,foo"), "--modes: unknown foo (any of native,"),
     (("--process-sets", "2"), "--process-sets: with --cell-by-cell"),
     (("--cell-by-cell", "--parts", "mha,mamba"), "--cell-by-cell: KV parts and link only"),
     (("--table", "no-such-run.json"), "no-such-run.json: cannot read it"),
@@ -234,6 +237,16 @@ def test_input_it_cannot_run_is_refused_in_one_line_before_any_gpu_work(argv, er
     proc = cli(*argv)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert error in proc.stderr.strip().splitlines()[-1]
+
+
+def test_measuring_without_a_cuda_gpu_is_refused_in_one_line_before_any_child(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transfer_bench, "run_child", lambda *a: pytest.fail("a child ran"))
+    monkeypatch.setattr(sys, "argv", ["transfer_bench.py", "--parts", "mha", "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit) as exc:
+        transfer_bench.main()
+    assert exc.value.code == 2 and "measuring needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 # --- --table: saved runs pooled, round-paired, tested over sets of processes -------------------

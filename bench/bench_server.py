@@ -473,7 +473,7 @@ class Bench:
         self.out = Path(opts.out)
         self.sizes = Sizes(opts.groups, opts.prompts_per_group, opts.system_prompt_len, opts.question_len,
                            opts.output_len, opts.concurrency, opts.device_tokens)
-        self.extra_flags = [f for chunk in opts.server_flags for f in shlex.split(chunk)]
+        self.extra_flags = servers.split_flags(opts.server_flags)
         self.extra_env = servers.parse_env(opts.env)
         self.client = shlex.split(opts.bench_client) if opts.bench_client else [opts.python, "-m", "sglang.bench_serving"]
         self.live: list[servers.Server] = []
@@ -675,7 +675,6 @@ class Bench:
     def run(self) -> int:
         o = self.opts
         self.check_memory()
-        self.out.mkdir(parents=True, exist_ok=True)
         self.report["trees"] = servers.check_trees(o.pristine_path, o.patched_path)
         self.report["environment"] = servers.machine(o.python, o.patched_path)
         try:
@@ -760,10 +759,17 @@ def options(argv=None):
         ap.error("--hicache-ratio must be at least 2 (SGLang wants the host pool larger than the device pool)")
     if not 0 < opts.mem_fraction_static < 1:
         ap.error("--mem-fraction-static must be between 0 and 1")
+    if not (opts.pristine_path and opts.patched_path):
+        ap.error("--pristine-path and --patched-path are needed: folders holding sglang/ "
+                 "(tests/e2e/trees.sh makes them)")
     try:
         servers.parse_env(opts.env)
+        servers.split_flags(opts.server_flags)
+        servers.split_flags([opts.bench_client or ""], "--bench-client")
     except ValueError as exc:
         ap.error(str(exc))
+    if why := servers.make_out(opts.out, folder=True):
+        ap.error(why)
     opts.client_path = opts.client_path or opts.pristine_path
     return opts
 
@@ -791,11 +797,15 @@ def main(argv=None) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             print(f"error: cannot read the report {path}: {exc}", file=sys.stderr)
             return 2
-        if opts.render:
-            print(render(report), end="")
-            return 0
-        if not plot(report, Path(opts.plot[1])):
-            print("error: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        try:
+            if opts.render:
+                print(render(report), end="")
+                return 0
+            if not plot(report, Path(opts.plot[1])):
+                print("error: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+                return 2
+        except (KeyError, TypeError, AttributeError) as exc:    # another tool's report (soak's, compare's)
+            print(f"error: {path}: not a bench_server.py report ({type(exc).__name__}: {exc})", file=sys.stderr)
             return 2
         return 0
     if opts.dry_run:

@@ -269,20 +269,39 @@ def test_the_host_pool_holds_the_working_set_and_the_default_run_fits_in_memory(
 
 
 def test_bad_input_is_refused_in_one_line(capsys, tmp_path):
+    trees = ["--pristine-path", str(tmp_path), "--patched-path", str(tmp_path)]
+    (tmp_path / "file").write_text("")
     for args, message in ((["--variants", "kvcached-contiguous"], "must name native"),
                           (["--rounds", "0"], "--rounds must be at least 1"),
                           (["--device-tokens", "1000"], "would not fit in a device pool of 1000"),
                           (["--hicache-ratio", "1"], "--hicache-ratio must be at least 2"),
                           (["--env", "NOEQUALS"], "KEY=VALUE"),
-                          (["--variants", "native", "kvcached-no-hicache"], "kvcached-no-hicache needs native-no-hicache")):
+                          (["--variants", "native", "kvcached-no-hicache"], "kvcached-no-hicache needs native-no-hicache"),
+                          (["--dry-run"], "--pristine-path and --patched-path are needed"),
+                          ([*trees, "--out", str(tmp_path / "file")], "cannot make the folder"),
+                          ([*trees, "--out", str(tmp_path / "file" / "run")], "cannot make the folder"),
+                          ([*trees, "--server-flags", '"x'], "--server-flags '\"x': No closing quotation"),
+                          ([*trees, "--bench-client", '"x'], "--bench-client '\"x': No closing quotation")):
         with pytest.raises(SystemExit) as exc:
             bench.options(args)
         assert exc.value.code == 2 and message in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
     assert bench.main(["--render", str(tmp_path / "bad.json")]) == 2
     assert "cannot read the report" in capsys.readouterr().err
+    for report in ("{}", "[]", (ROOT / "docs/runs/soak/2026-12-02-h200-real-kernels/report.json").read_text()):
+        (tmp_path / "other.json").write_text(report)
+        assert bench.main(["--render", str(tmp_path / "other.json")]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'other.json'}: not a bench_server.py report")
     with pytest.raises(SystemExit, match="need more than 80 % of the"):
-        bench.Bench(bench.options(["--device-tokens", str(10**8), "--out", str(tmp_path / "x")])).check_memory()
+        bench.Bench(bench.options([*trees, "--device-tokens", str(10**8), "--out", str(tmp_path / "x")])).check_memory()
+
+
+def test_plot_of_another_tools_report_is_refused_in_one_line(capsys, tmp_path):
+    pytest.importorskip("matplotlib")      # without it --plot says so before it reads the report
+    for report in ("{}", "[]"):
+        (tmp_path / "other.json").write_text(report)
+        assert bench.main(["--plot", str(tmp_path / "other.json"), str(tmp_path / "o.png")]) == 2
+        assert "not a bench_server.py report" in capsys.readouterr().err
 
 
 def test_targets_are_met_within_the_spread_or_short():

@@ -7,12 +7,13 @@ is the dashed line every panel is bounded by, and 95% of it the dotted grey line
 target for large batches). Solid lines: throughput by CUDA-event time
 (host included); dotted, same colour: by the GPU time of the copies alone, where the
 run recorded it. A run of several rounds is drawn by its medians. Needs matplotlib
-(requirements/bench.txt).
+(requirements/bench.txt). Input it cannot draw is refused in one `error:` line, exit 2.
 """
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from transfer_bench import merge_rounds
 
@@ -30,16 +31,30 @@ def panels(rows):
     return sorted({(r["pool"], r["direction"], r["host_layout"]) for r in rows if r["pool"] != "link"})
 
 
-def main(src, dst):
-    import matplotlib
+def fail(why: str):
+    print(f"error: {why}", file=sys.stderr)
+    sys.exit(2)
 
+
+def main(src, dst):
+    try:
+        data = json.loads(Path(src).read_text())
+        rows = [r for r in merge_rounds(data["rows"]) if "GBps" in r]
+        link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
+        keys = panels(rows)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:   # missing, not JSON, not ours
+        fail(f"{src}: not a transfer_bench.py --out file it can read ({type(exc).__name__}: {exc})")
+    if not keys:
+        fail(f"{src}: no measured rows to draw")
+    if Path(dst).is_dir():      # matplotlib would write DST.png beside it
+        fail(f"{dst} is a folder: name the image file")
+    try:
+        import matplotlib
+    except ImportError:
+        fail("bench/plot.py needs matplotlib (pip install -r requirements/bench.txt)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.load(open(src))
-    rows = [r for r in merge_rounds(data["rows"]) if "GBps" in r]
-    link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
-    keys = panels(rows)
     cols = 4
     grid_rows = (len(keys) + cols - 1) // cols
     height = 3.3 * grid_rows + 0.7   # the legend's two lines below the panels
@@ -74,7 +89,10 @@ def main(src, dst):
                  f"{meta.get('date', '')}, median of {meta.get('reps', '?')}"
                  + (f", then of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.7 / height, 1, 1 - 0.3 / height))
-    fig.savefig(dst, dpi=110)
+    try:
+        fig.savefig(dst, dpi=110)
+    except (OSError, ValueError) as exc:   # no such folder; a format matplotlib cannot write (.txt)
+        fail(f"{dst}: {exc}")
 
 
 if __name__ == "__main__":

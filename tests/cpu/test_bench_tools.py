@@ -1,5 +1,5 @@
 """bench/transfer_bench.py without a GPU: the numbers its tables print, how it schedules its
-children, and the one-line errors its CLI gives for input it cannot run."""
+children, and the one-line errors its CLI (and bench/plot.py's) gives for input it cannot run."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+import plot  # noqa: E402
 import transfer_bench  # noqa: E402
 
 LINK = ("link", "backup", "-", 1 << 30)
@@ -325,3 +326,36 @@ def test_a_run_without_the_link_part_says_so_instead_of_a_zero_link():
     assert proc.returncode == 0, proc.stderr
     assert "byte-exact load-back checks: 15 of 15 pass" in proc.stdout
     assert "pinned copy: not measured (no link part)" in proc.stdout and "0.0 GB/s" not in proc.stdout
+
+
+# --- bench/plot.py: what it cannot draw, in one line ----------------------------------------
+
+def refused(src, dst, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        plot.main(str(src), str(dst))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    return err
+
+
+PLOTTED = ROOT / "bench/results/2026-11-30-h200-all-parts/results.json"
+
+
+def test_plot_refuses_a_run_it_cannot_read_a_folder_to_write_or_no_matplotlib(tmp_path, capsys, monkeypatch):
+    for name, content in (("missing", None), ("bad", b"{"), ("binary", bytes(range(256))), ("list", b"[]")):
+        if content is not None:
+            (tmp_path / f"{name}.json").write_bytes(content)
+        assert "not a transfer_bench.py --out file it can read" in refused(tmp_path / f"{name}.json", "o.png", capsys)
+    (tmp_path / "empty.json").write_text(json.dumps({"meta": {}, "rows": [dict(mode="pinned-copy", pool="link")]}))
+    assert "no measured rows to draw" in refused(tmp_path / "empty.json", "o.png", capsys)
+    (tmp_path / "folder").mkdir()
+    assert "folder is a folder: name the image file" in refused(PLOTTED, tmp_path / "folder", capsys)
+    assert not (tmp_path / "folder.png").exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # not installed
+    assert "needs matplotlib" in refused(PLOTTED, tmp_path / "o.png", capsys)
+
+
+def test_plot_refuses_an_image_matplotlib_cannot_write(tmp_path, capsys):
+    pytest.importorskip("matplotlib")   # requirements/bench.txt, not the CPU tier's
+    assert "Format 'txt' is not supported" in refused(PLOTTED, tmp_path / "o.txt", capsys)
+    assert "No such file or directory" in refused(PLOTTED, tmp_path / "no" / "o.png", capsys)

@@ -10,11 +10,13 @@ run of each set of variants that no newer run covers), each through its own rend
 (compare_servers.py --table, bench_server.py --render, transfer_bench.py --table,
 tests.support.differential.compare, the GPU tier's rows of its newest series). --check
 exits 1 when the file differs from what the runs render (it is regenerated, never edited).
+A run folder it cannot read stops it in one line: `error: <folder>: ...`.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gzip
 import json
 import subprocess
@@ -24,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "runs"
 BENCH = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+from tests.e2e.servers import make_out  # noqa: E402  (the tools' one --out check)
 
 
 def tool(*argv: str) -> str:
@@ -47,10 +51,25 @@ def newest(runs: list[Path]) -> tuple[list[Path], list[Path]]:
     return [p for p in runs if p.name.startswith(day)], [p for p in runs if not p.name.startswith(day)]
 
 
+@contextlib.contextmanager
+def reading(folder: Path):
+    """A run folder whose files cannot be read as its tool wrote them: one line naming it."""
+    try:
+        yield
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"error: {folder.relative_to(ROOT)}: {type(exc).__name__}: {exc}") from None
+
+
 def title(folder: Path) -> str:
     """A run's README's first line (its heading), else the folder's name."""
     readme = folder / "README.md"
-    return readme.read_text().splitlines()[0].lstrip("# ").strip() if readme.is_file() else folder.name
+    if not readme.is_file():
+        return folder.name
+    with reading(folder):
+        heading = readme.read_text().partition("\n")[0].lstrip("# ").strip()
+        if not heading:
+            raise ValueError("README.md has no title line (its first line)")
+    return heading
 
 
 def transfer_runs(folder: Path) -> list[Path]:
@@ -74,12 +93,16 @@ def newest_of_each_shape(runs: list[Path]) -> tuple[list[Path], list[Path]]:
     """Server benchmark runs, newest (by its start) first: a run is shown where, for some shape,
     it measured variants that no newer shown run of that shape measured all of; then the rest.
     A run of one shape, or of other variants (the no-HiCache pair), hides no other."""
-    started = {run: json.loads((run / "report.json").read_text()) for run in runs}
+    started, measured = {}, {}
+    for run in runs:
+        with reading(run):
+            report = json.loads((run / "report.json").read_text())
+            started[run] = report["started"]
+            measured[run] = {name: {r["variant"] for w in shape["workloads"].values() for r in w["runs"]
+                                    if r.get("metrics")} for name, shape in report["shapes"].items()}
     shown, seen = [], collections.defaultdict(list)
-    for run in sorted(runs, key=lambda r: started[r]["started"], reverse=True):
-        measured = {name: {r["variant"] for w in shape["workloads"].values() for r in w["runs"] if r.get("metrics")}
-                    for name, shape in started[run]["shapes"].items()}
-        new = {name: variants for name, variants in measured.items()
+    for run in sorted(runs, key=lambda r: started[r], reverse=True):
+        new = {name: variants for name, variants in measured[run].items()
                if variants and not any(variants <= earlier for earlier in seen[name])}
         if new:
             shown.append(run)
@@ -96,15 +119,12 @@ def section(name: str, runs: list[Path], render, renders=lambda folder: True, pi
     if not shown:
         lines += ["No committed run.", ""]
     for folder in shown:
-        lines += [f"### `{folder.relative_to(ROOT)}`", "", title(folder), "", render(folder), ""]
+        with reading(folder):
+            lines += [f"### `{folder.relative_to(ROOT)}`", "", title(folder), "", render(folder), ""]
     others = [p for p in runs if p not in shown]
     if others:
         lines += ["Other runs (their READMEs say what each ran and found):", "", *map(listed, others), ""]
     return lines
-
-
-def first(folder: Path, *names: str) -> Path:
-    return next(folder / n for n in names if (folder / n).is_file())
 
 
 def e2e_reports(folder: Path) -> list[Path]:
@@ -126,9 +146,8 @@ def differential(folder: Path) -> str:
     if not (folder / "patched.json.gz").is_file():
         printed = (folder / "differential.log").read_text().strip()
         return f"The pair's summary (`differential.log`; the outcome documents were not kept):\n\n```\n{printed}\n```"
-    sys.path.insert(0, str(ROOT))
     from tests.support.differential.compare import summary_table
-    docs = [json.loads(gzip.decompress(first(folder, f"{n}.json.gz").read_bytes())) for n in ("pristine", "patched")]
+    docs = [json.loads(gzip.decompress((folder / f"{n}.json.gz").read_bytes())) for n in ("pristine", "patched")]
     return summary_table(*docs)
 
 
@@ -178,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     ap.add_argument("--check", action="store_true", help="exit 1 where --out is not what the runs render")
     opts = ap.parse_args(argv)
+    if not opts.check and (why := make_out(opts.out)):
+        ap.error(why)
     text, out = render(), Path(opts.out)
     if opts.check:
-        if not out.is_file() or out.read_text() != text:
+        if not out.is_file() or out.read_bytes() != text.encode():   # bytes: --out may be any file
             print(f"{out} is not what the committed runs render: run `make report`", file=sys.stderr)
             return 1
         return 0

@@ -92,3 +92,36 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     assert "### `bench/results/2999-01-05-mha-failed`" not in text
     assert "### `bench/results/2999-01-04-mha-other-variants`" in text  # other variants: shown beside, hiding none
     assert "- `bench/results/2998-12-31-mha-fewer-variants`" in text  # a newer run measured all of its variants
+
+
+def test_a_run_folder_it_cannot_read_is_named_in_one_line(tmp_path):
+    copy = tmp_path / "p"
+    for part in ("ci", "docs", "bench", "tests", "scripts", "patches", "sglang.pin"):
+        src = ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, copy / part)
+    e2e = sorted((ROOT / "docs" / "runs" / "e2e").glob("*/report.json.gz"))[-1].read_bytes()
+    bench = json.loads((ROOT / "bench/results/2026-12-04-h200-bench-server-warm-up/report.json").read_text())
+    del bench["started"]
+    for folder, files, what in (
+            ("docs/runs/e2e", {"report.json.gz": e2e, "README.md": b""}, "README.md has no title line"),
+            ("docs/runs/differential", {"patched.json.gz": b"{}"}, "pristine.json.gz"),   # its pair not kept
+            ("bench/results", {"report.json": json.dumps(bench).encode()}, "KeyError: 'started'"),
+            ("bench/results", {"report.json": b"{"}, "JSONDecodeError: ")):
+        planted = copy / folder / "2999-01-01-planted"
+        planted.mkdir()
+        for name, content in files.items():
+            (planted / name).write_bytes(content)
+        proc = report("--out", str(copy / "docs" / "results.md"), cwd=copy)
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+        assert proc.stderr.startswith(f"error: {folder}/2999-01-01-planted: ") and what in proc.stderr
+        shutil.rmtree(planted)
+
+
+def test_an_out_it_cannot_write_is_refused_before_rendering_and_check_reads_any_file(tmp_path):
+    (tmp_path / "file").write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    for out, what in ((tmp_path / "file" / "results.md", "cannot make the folder"), (tmp_path, "is a folder")):
+        proc = report("--out", str(out))
+        assert proc.returncode == 2 and what in proc.stderr.strip().splitlines()[-1]
+    assert report("--out", str(tmp_path / "new" / "results.md")).returncode == 0
+    proc = report("--check", "--out", str(tmp_path / "file"))
+    assert proc.returncode == 1 and "is not what the committed runs render" in proc.stderr

@@ -423,13 +423,13 @@ def render(report: dict) -> str:
 def plot(report: dict, path: Path) -> bool:
     """Each variant's median ratios with their spread, one panel per shape and workload;
     False without matplotlib."""
+    panels = [(shape, name, w) for shape, s in report["shapes"].items() for name, w in s["workloads"].items()]
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = [(shape, name, w) for shape, s in report["shapes"].items() for name, w in s["workloads"].items()]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.6 * max(1, len(panels))), squeeze=False)
     for ax, (shape, name, w) in zip(axes[:, 0], panels):
         others = [v for v in w["summary"] if v != BASELINE]

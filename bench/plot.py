@@ -46,8 +46,10 @@ def main(src, dst):
         fail(f"{src}: not a transfer_bench.py --out file it can read ({type(exc).__name__}: {exc})")
     if not keys:
         fail(f"{src}: no measured rows to draw")
-    if Path(dst).is_dir():      # matplotlib would write DST.png beside it
-        fail(f"{dst} is a folder: name the image file")
+    if Path(dst).is_dir() or Path(dst).suffix.lower() not in (".png", ".svg", ".pdf"):  # a folder: DST.png beside it
+        fail(f"{dst}: name a .png, .svg or .pdf file")
+    if not Path(dst).parent.is_dir():
+        fail(f"{dst}: no folder {Path(dst).parent}")
     try:
         import matplotlib
     except ImportError:
@@ -89,10 +91,7 @@ def main(src, dst):
                  f"{meta.get('date', '')}, median of {meta.get('reps', '?')}"
                  + (f", then of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.7 / height, 1, 1 - 0.3 / height))
-    try:
-        fig.savefig(dst, dpi=110)
-    except (OSError, ValueError) as exc:   # no such folder; a format matplotlib cannot write (.txt)
-        fail(f"{dst}: {exc}")
+    fig.savefig(dst, dpi=110)
 
 
 if __name__ == "__main__":

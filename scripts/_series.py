@@ -118,19 +118,23 @@ def work_git(option: str | None):
     return work, lambda *args, check=True: git(work, *args, check=check, env=env)  # the committer: git am's
 
 
-def tagged(git, name: str) -> bool:
-    return bool(git("rev-parse", "-q", "--verify", f"refs/tags/{name}", check=False).stdout.strip())
+def tagged(run, name: str) -> bool:
+    return bool(run("rev-parse", "-q", "--verify", f"refs/tags/{name}", check=False).stdout.strip())
 
 
-def mark_exported(git, patches: Path = PATCH_DIR) -> None:
-    """Tag series-exported at HEAD with what patches/ holds now: export-patches then sees a patches/
-    changed since (a pull, an edit) that an export from this work folder would undo."""
-    git("tag", "-f", "-a", "-m", f"patches/ sha256 {patches_digest(patches)}", "series-exported", "HEAD")
+def mark(run, tag: str, patches: Path = PATCH_DIR) -> None:
+    """Tag HEAD (series-base at the import, series-exported once the work folder and patches/ agree)
+    with what patches/ holds now: export-patches then sees a patches/ changed since (a pull, an
+    edit) that an export from this work folder would undo."""
+    run("tag", "-f", "-a", "-m", f"patches/ sha256 {patches_digest(patches)}", tag, "HEAD")
 
 
-def exported_digest(git) -> str | None:
-    found = re.search(r"patches/ sha256 (\w+)", git("tag", "-l", "--format=%(contents)", "series-exported").stdout)
-    return found[1] if found else None  # a work folder tagged before the digest was recorded: unknown
+def recorded_digest(run) -> str | None:
+    """What patches/ held when the work folder last agreed with it (series-exported, else the import's
+    series-base); None for a work folder tagged before the digest was recorded: unknown."""
+    tag = "series-exported" if tagged(run, "series-exported") else "series-base"
+    found = re.search(r"patches/ sha256 (\w+)", run("tag", "-l", "--format=%(contents)", tag).stdout)
+    return found[1] if found else None
 
 
 def patches_digest(patches: Path = PATCH_DIR) -> str:

@@ -373,8 +373,9 @@ def test_fetch_wheel_takes_only_a_wheel_for_the_interpreter_asked_for(fake, tmp_
 
 def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake, tmp_path):
     """Without the submodule: the wheel's sglang/ as build/sglang-wheel/python/sglang, committed
-    and tagged (what a stopped run left is not taken); a second run takes it as it is (no
-    download); an edited tree, or a repository without the tag, is refused in one line and kept."""
+    and tagged (what a stopped run left is not taken; the tree of an earlier pin is replaced); a
+    second run takes it as it is (no download); an edited tree, or a repository without the tag,
+    is refused in one line and kept."""
     wheel = fake.root / "build" / "cache" / "tag" / "sglang-0.5.20-py3-none-any.whl"
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -389,10 +390,18 @@ def test_build_pristine_lays_out_the_wheel_once_and_refuses_a_changed_tree(fake,
     stopped = tree.with_name("sglang-wheel.partial")  # what a stopped run leaves
     (stopped / "python/sglang").mkdir(parents=True)
     (stopped / "python/sglang/half.py").write_text("")
-    first = fake.run("build-pristine", env=env)
+    shell = tmp_path / "shell"  # a shell in another repository: GIT_DIR set
+    shell.mkdir()
+    git(shell, "init", "-q")
+    first = fake.run("build-pristine", env={**env, "GIT_DIR": str(shell / ".git")})
     assert first.returncode == 0 and first.stdout.strip() == str(tree), first.stderr
     assert not stopped.exists() and not (tree / "python/sglang/half.py").exists()
     assert (tree / "python/sglang/_version.py").read_text() == "__version__ = version = '0.5.20'\n"
+    assert git(shell, "tag", "-l") == "" and (tree / ".git").is_dir()
+    git(tree, "tag", "-d", "v0.5.20-wheel")  # the tree of an earlier pin: replaced
+    git(tree, "tag", "v0.5.19-wheel")
+    moved = fake.run("build-pristine", env=env)
+    assert moved.returncode == 0 and git(tree, "tag", "-l") == "v0.5.20-wheel\n", moved.stderr
     head = git(tree, "rev-parse", "v0.5.20-wheel^{commit}").strip()
     wheel.unlink()  # a rebuild would need it
     again = fake.run("build-pristine", env=env)
@@ -517,6 +526,8 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     assert sorted(p.name for p in theirs.iterdir()) == ["0001-their-fix.patch", "series"]
     new = exported("--out", tmp_path / "new")
     assert new.returncode == 0, new.stderr
+    refused(exported("--out", tmp_path / "new"), "holds a series already")
+    assert exported("--out", tmp_path / "new", "--force").returncode == 0
     names = (tmp_path / "new" / "series").read_text().split()
     assert [(tmp_path / "new" / name).read_bytes() for name in names] == [p.read_bytes() for p in fake.patches]
 
@@ -526,6 +537,10 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     assert pulled.read_text().endswith("a change pulled after the import\n")
     assert exported("--force").returncode == 0 and "pulled after" not in pulled.read_text()
     assert exported().returncode == 0  # what it exported is what patches/ holds now
+    git(work, "reset", "-q", "--hard", "HEAD~1")  # a commit dropped: its patch goes
+    assert exported().returncode == 0
+    assert (patches / "series").read_text().split() == sorted(p.name for p in patches.glob("0*.patch"))
+    assert len(fake.patches) == 2
     pulled.write_text(pulled.read_text() + "-- \nanother pull\n")
     refused(exported(), "patches/ changed since")  # each export records what it wrote
 
@@ -534,6 +549,29 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     git(other, "init", "-q")
     refused(exported(into=other), "is not a work folder of this series")
     assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series"]
+
+
+def test_an_import_stopped_by_a_conflict_goes_on_with_the_rest_of_the_series(tmp_path):
+    """git am --continue, as the message says, applies the patch and every one after it; an export
+    before that is refused (it would drop the patches not yet applied)."""
+    fake = synthetic(tmp_path / "series")
+    upstream, work = fake.pristine.parents[1], tmp_path / "work"
+    pool = upstream / "python/sglang/srt/pool.py"  # SGLang moved on under patch 2
+    git(upstream, "checkout", "-qb", "moved")
+    pool.write_text(pool.read_text().replace("return 9\n", "return 90\n"))
+    git(upstream, "commit", "-qam", "upstream moved")
+    stopped = fake.run("import-patches", "--work", work, "--pristine", upstream)
+    assert stopped.returncode == 1 and "git am --continue applies it and the rest" in stopped.stderr
+    early = fake.run("export-patches", "--work", work, "--out", tmp_path / "early")
+    assert early.returncode == 1 and "in the middle of git am" in early.stderr and not (tmp_path / "early").exists()
+    resolved = work / "python/sglang/srt/pool.py"
+    resolved.write_text(re.sub(r"<<<<<<< .*?>>>>>>> [^\n]*\n", "    return 90 + 1\n", resolved.read_text(), flags=re.S))
+    git(work, "add", "-A")
+    git(work, "am", "--continue")
+    assert git(work, "log", "--reverse", "--format=%s", "series-base..HEAD").splitlines() == [
+        subject for subject, _ in FAKE_PATCHES]
+    done = fake.run("export-patches", "--work", work, "--out", tmp_path / "done")
+    assert done.returncode == 0 and len((tmp_path / "done" / "series").read_text().split()) == 3, done.stderr
 
 
 def test_check_refuses_a_tree_that_is_not_pristine(fake, tmp_path):

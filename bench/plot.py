@@ -31,6 +31,10 @@ def panels(rows):
     return sorted({(r["pool"], r["direction"], r["host_layout"]) for r in rows if r["pool"] != "link"})
 
 
+# what matplotlib's savefig writes (canvas.get_supported_filetypes()), known before importing it
+FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps", "svgz", "pgf", "raw", "rgba")
+
+
 def fail(why: str):
     print(f"error: {why}", file=sys.stderr)
     sys.exit(2)
@@ -46,8 +50,8 @@ def main(src, dst):
         fail(f"{src}: not a transfer_bench.py --out file it can read ({type(exc).__name__}: {exc})")
     if not keys:
         fail(f"{src}: no measured rows to draw")
-    if Path(dst).is_dir() or Path(dst).suffix.lower() not in (".png", ".svg", ".pdf"):  # a folder: DST.png beside it
-        fail(f"{dst}: name a .png, .svg or .pdf file")
+    if Path(dst).is_dir() or Path(dst).suffix.lower()[1:] not in FORMATS:  # a folder: matplotlib writes DST.png
+        fail(f"{dst}: name an image file ({', '.join(FORMATS)})")
     if not Path(dst).parent.is_dir():
         fail(f"{dst}: no folder {Path(dst).parent}")
     try:

@@ -349,9 +349,9 @@ def test_plot_refuses_a_run_it_cannot_read_an_image_it_cannot_write_or_no_matplo
     (tmp_path / "empty.json").write_text(json.dumps({"meta": {}, "rows": [dict(mode="pinned-copy", pool="link")]}))
     assert "no measured rows to draw" in refused(tmp_path / "empty.json", "o.png", capsys)
     (tmp_path / "folder").mkdir()
-    assert "name a .png, .svg or .pdf file" in refused(PLOTTED, tmp_path / "folder", capsys)
+    assert "name an image file (png, svg" in refused(PLOTTED, tmp_path / "folder", capsys)
     assert not (tmp_path / "folder.png").exists()
-    assert "name a .png, .svg or .pdf file" in refused(PLOTTED, tmp_path / "o.txt", capsys)
+    assert "name an image file (png, svg" in refused(PLOTTED, tmp_path / "o.txt", capsys)
     assert f"no folder {tmp_path / 'no'}" in refused(PLOTTED, tmp_path / "no" / "o.png", capsys)
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # not installed
     assert "needs matplotlib" in refused(PLOTTED, tmp_path / "o.png", capsys)

@@ -551,10 +551,9 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series"]
 
 
-def test_an_import_stopped_by_a_conflict_goes_on_with_the_rest_of_the_series(tmp_path):
+def test_an_import_stopped_by_a_conflict_goes_on_with_the_rest_of_the_series(fake, tmp_path):
     """git am --continue, as the message says, applies the patch and every one after it; an export
     before that is refused (it would drop the patches not yet applied)."""
-    fake = synthetic(tmp_path / "series")
     upstream, work = fake.pristine.parents[1], tmp_path / "work"
     pool = upstream / "python/sglang/srt/pool.py"  # SGLang moved on under patch 2
     git(upstream, "checkout", "-qb", "moved")

@@ -90,24 +90,26 @@ def demoted(markdown: str) -> str:
 
 
 def newest_of_each_shape(runs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Server benchmark runs, newest (by its start) first: a run is shown where, for some shape,
-    it measured variants that no newer shown run of that shape measured all of; then the rest.
-    A run of one shape, or of other variants (the no-HiCache pair), hides no other."""
+    """Server benchmark runs, newest (by its start) first: a run is shown where, for some shape and
+    workload, it measured variants that no newer shown run of that shape and workload measured all
+    of; then the rest. A run of one shape, one workload (multi-turn), or other variants (the
+    no-HiCache pair) hides no other."""
     started, measured = {}, {}
     for run in runs:
         with reading(run):
             report = json.loads((run / "report.json").read_text())
             started[run] = report["started"]
-            measured[run] = {name: {r["variant"] for w in shape["workloads"].values() for r in w["runs"]
-                                    if r.get("metrics")} for name, shape in report["shapes"].items()}
+            measured[run] = {(name, workload): {r["variant"] for r in clients["runs"] if r.get("metrics")}
+                             for name, shape in report["shapes"].items()
+                             for workload, clients in shape["workloads"].items()}
     shown, seen = [], collections.defaultdict(list)
     for run in sorted(runs, key=lambda r: started[r], reverse=True):
-        new = {name: variants for name, variants in measured[run].items()
-               if variants and not any(variants <= earlier for earlier in seen[name])}
+        new = {key: variants for key, variants in measured[run].items()
+               if variants and not any(variants <= earlier for earlier in seen[key])}
         if new:
             shown.append(run)
-            for name, variants in new.items():
-                seen[name].append(variants)
+            for key, variants in new.items():
+                seen[key].append(variants)
     return shown, [r for r in runs if r not in shown]
 
 

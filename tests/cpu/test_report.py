@@ -50,8 +50,8 @@ def test_a_newer_run_is_rendered_and_an_edit_is_caught(tmp_path):
 
 
 def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(tmp_path):
-    """bench-server runs are one shape each: a newer MLA run, or a newer MHA run of other
-    variants, must not hide the newest MHA run; an older run of a shown shape and variants is listed only. "Newest" is the run's start, not its name."""
+    """bench-server runs are one shape each: a newer MLA run, a newer MHA run of other variants, or
+    of another workload (multi-turn), must not hide the newest MHA run; an older run of a shown shape and variants is listed only. "Newest" is the run's start, not its name."""
     copy = tmp_path / "p"
     for part in ("ci", "docs", "bench", "tests", "scripts", "patches", "sglang.pin"):
         src = ROOT / part
@@ -60,14 +60,17 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     for run in [p for p in bench.iterdir() if (p / "report.json").is_file()]:
         shutil.rmtree(run)
     runs = {p.parent.name: json.loads((p).read_text()) for p in (ROOT / "bench" / "results").glob("*/report.json")}
-    one_shape = max((r for r in runs.values() if set(r["shapes"]) == {"llama3-8b"}),
+    one_shape = max((r for r in runs.values()
+                     if set(r["shapes"]) == {"llama3-8b"} and "shared-prefix" in r["shapes"]["llama3-8b"]["workloads"]),
                     key=lambda r: len({run["variant"] for run in r["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["runs"]}))
     variants = list(dict.fromkeys(run["variant"] for run in one_shape["shapes"]["llama3-8b"]["workloads"]["shared-prefix"]["runs"]))
     assert len(variants) >= 3
 
-    def plant(name: str, started: str, shape: str, failed: bool = False, keep: tuple = tuple(variants)) -> None:
+    def plant(name: str, started: str, shape: str, failed: bool = False, keep: tuple = tuple(variants),
+              workload: str = "shared-prefix") -> None:
         report = json.loads(json.dumps(one_shape))
         report["started"], report["shapes"] = started, {shape: report["shapes"]["llama3-8b"]}
+        report["shapes"][shape]["workloads"] = {workload: report["shapes"][shape]["workloads"]["shared-prefix"]}
         for workload in report["shapes"][shape]["workloads"].values():
             for run in workload["runs"]:
                 if failed or run["variant"] not in keep:  # a failed client run keeps empty metrics
@@ -79,6 +82,7 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     plant("2999-01-01-z-mha-older", "2999-01-01 01:00:00 UTC", "llama3-8b")
     plant("2999-01-01-a-mha-newer", "2999-01-01 02:00:00 UTC", "llama3-8b")
     plant("2999-01-02-mla", "2999-01-02 01:00:00 UTC", "deepseek-v2-lite")
+    plant("2999-01-03-mha-multi-turn", "2999-01-03 01:00:00 UTC", "llama3-8b", workload="multi-turn-3")
     plant("2999-01-05-mha-failed", "2999-01-05 01:00:00 UTC", "llama3-8b", failed=True)  # measured nothing
     plant("2999-01-04-mha-other-variants", "2999-01-04 01:00:00 UTC", "llama3-8b", keep=("native",))
     plant("2998-12-31-mha-fewer-variants", "2998-12-31 01:00:00 UTC", "llama3-8b", keep=tuple(variants[:2]))
@@ -86,7 +90,8 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
     assert report("--out", str(out), cwd=copy).returncode == 0
     text = out.read_text()
     assert "### `bench/results/2999-01-02-mla`" in text
-    assert "### `bench/results/2999-01-01-a-mha-newer`" in text
+    assert "### `bench/results/2999-01-01-a-mha-newer`" in text  # the newer multi-turn run hides no shared-prefix run
+    assert "### `bench/results/2999-01-03-mha-multi-turn`" in text
     assert "### `bench/results/2999-01-01-z-mha-older`" not in text
     assert "- `bench/results/2999-01-01-z-mha-older`" in text
     assert "### `bench/results/2999-01-05-mha-failed`" not in text

@@ -71,8 +71,8 @@ def test_a_server_benchmark_of_one_shape_leaves_the_newest_run_of_another_shown(
         report = json.loads(json.dumps(one_shape))
         report["started"], report["shapes"] = started, {shape: report["shapes"]["llama3-8b"]}
         report["shapes"][shape]["workloads"] = {workload: report["shapes"][shape]["workloads"]["shared-prefix"]}
-        for workload in report["shapes"][shape]["workloads"].values():
-            for run in workload["runs"]:
+        for clients in report["shapes"][shape]["workloads"].values():
+            for run in clients["runs"]:
                 if failed or run["variant"] not in keep:  # a failed client run keeps empty metrics
                     run["metrics"] = {}
         (bench / name).mkdir()

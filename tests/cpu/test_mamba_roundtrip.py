@@ -87,5 +87,6 @@ def test_refuses_slot_stride_the_kernels_cannot_step(host_modules):
                                                         *([1] if len(shape) == 1 else [shape[1], 1])), off)
     cache = MambaPool.State(conv=[view((16,), torch.int8, 0)], temporal=view((4,), torch.float32, 4))
     pool = SimpleNamespace(mamba_cache=cache, num_mamba_layers=layers, size=slots, device="cpu")
-    with pytest.raises(ValueError, match="multiple of 16"):
+    pool.mamba2_layer_cache = cache.at_layer_idx
+    with pytest.raises(ValueError, match="slots 16-byte aligned"):
         host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu", layout="page_first")

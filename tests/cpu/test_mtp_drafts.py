@@ -97,6 +97,15 @@ def test_mha_packed_drafts(host_modules, target_layout, draft_layout, host_layou
 @cases
 def test_mla_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
                            page_size):
+    """The MLA host pool serves packed drafts whose rows share the target's stride, and
+    refuses the others at startup (no MLA model with a draft runs over kvcached)."""
+    size = DEVICE_PAGES * page_size
+    strides = {view.stride(0) for layout, layers in ((target_layout, LAYERS), (draft_layout, 1))
+               for view in make_pool("mla", layout, size, page_size, layers).kv_buffer}
+    if len(strides) > 1:
+        with pytest.raises(ValueError, match="MLA device pools' rows are strided by different amounts"):
+            packed_host(host_modules, "mla", target_layout, draft_layout, drafts, page_size, host_layout)
+        return
     target, draft_pools, host = packed_host(host_modules, "mla", target_layout, draft_layout, drafts, page_size,
                                             host_layout)
     pools = [target, *draft_pools]
@@ -104,7 +113,7 @@ def test_mla_packed_drafts(host_modules, target_layout, draft_layout, host_layou
     run(target, draft_pools, host, families, page_size, io_backend)
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("kind", ["mha"])
 def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, kind):
     """The staged write-back gathers all host layers of a page at once and so takes one
     stride; with strided drafts the pool backs up through the all-layer kernel, whose
@@ -115,7 +124,7 @@ def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, 
     packed = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu",
                  mtp_draft_device_pools=[make(1)])
     assert alone.can_use_write_back_jit and not packed.can_use_write_back_jit
-    assert [run.layers for run in packed.device_layer_runs] == [slice(0, LAYERS), slice(LAYERS, LAYERS + 1)]
+    assert [run[:2] for run in packed._device_row_runs] == [(0, LAYERS), (LAYERS, LAYERS + 1)]
     # The packed pool keeps no staging buffer (device memory) for the path it gave up.
     staging = lambda host: (host.staging_k_buffer, host.staging_v_buffer) if kind == "mha" else (host.staging_buffer,)
     assert all(buffer is not None for buffer in staging(alone))
@@ -172,6 +181,6 @@ def test_npu_pools_with_drafts_are_not_asked_for_pointer_tables(host_modules, mo
     target, draft = npu_pool(LAYERS), npu_pool(1)
     host = host_modules.mha.MHATokenToKVPoolHost(target, 2.0, 0, page, "layer_first", pin_memory=False,
                                                  device="cpu", mtp_draft_device_pools=[draft])
-    assert host.device_layer_runs is None
+    assert host.device_rows_packed
     assert host.packed_device_k_data_ptrs is None and host.packed_device_v_data_ptrs is None
     assert len(host.packed_device_k_buffers) == len(host.packed_device_v_buffers) == LAYERS + 1

@@ -32,7 +32,7 @@ def test_mha_page_head(host_modules):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_mha_without_the_jit_kernel(host_modules, monkeypatch, layout):
     monkeypatch.setattr(host_modules.mha, "can_use_hicache_jit_kernel", lambda **kw: False)
-    with pytest.raises(ValueError, match="JIT HiCache kernel.*KVCACHED_CONTIGUOUS_LAYOUT=false"):
+    with pytest.raises(ValueError, match="only the JIT HiCache kernels copy.*disable --enable-hierarchical-cache"):
         host_modules.mha.MHATokenToKVPoolHost(strided_mha(), 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
 
 
@@ -42,7 +42,7 @@ def test_page_first_direct(host_modules, kind):
     (tests/support/emulated_aot.py): right only for dense views."""
     pool, cls = ((strided_mha(), host_modules.mha.MHATokenToKVPoolHost) if kind == "mha"
                  else (strided_mla(), host_modules.mla.MLATokenToKVPoolHost))
-    with pytest.raises(ValueError, match="page_first_direct.*Use --hicache-mem-layout layer_first or page_first"):
+    with pytest.raises(ValueError, match="page_first_direct cannot copy; use --hicache-mem-layout page_first"):
         cls(pool, 2.0, 0, PAGE, "page_first_direct", pin_memory=False, device="cpu")
 
 
@@ -52,17 +52,19 @@ def test_mamba_page_first_direct(host_modules):
     for layout in ("kvcached-contiguous", "kvcached-per-layer"):  # strided in both
         pool = mamba_pool(layout, slots=4, layers=2, conv_shapes=[(96, 3)], temporal_shape=(2, 16, 16),
                           page_bytes=64 << 10)
-        with pytest.raises(ValueError, match="page_first_direct.*--hicache-io-backend kernel"):
+        with pytest.raises(ValueError, match="page_first_direct cannot copy; use .*page_first with "
+                                             "--hicache-io-backend kernel"):
             host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu",
                                              layout="page_first_direct")
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_mha_asymmetric_heads(host_modules, layout):
-    """head_dim != v_head_dim (MiMo-V2): page_first loads run sglang-kernel's dense
-    per-layer kernel, page_first_direct its dense page copies."""
+    """head_dim != v_head_dim (MiMo-V2): its copies all run sglang-kernel's kernels, which
+    address device rows as packed, so strided views are refused in every layout (its own
+    layouts, and layer_first, which it does not serve at all)."""
     pool = strided_mha()  # equal head dims: only the class (SGLang picks it for unequal ones) matters
-    with pytest.raises(ValueError, match="no copy path for strided MHA KV.*KVCACHED_CONTIGUOUS_LAYOUT=false"):
+    with pytest.raises(ValueError, match="head_dim != v_head_dim cannot copy"):
         host_modules.mha.AsymmetricMHATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=False,
                                                         device="cpu")
 
@@ -122,7 +124,7 @@ def test_dense_pools_are_not_refused(host_modules):
     """The refusals are for strided views only: SGLang's own pools keep every option."""
     dense = mha_pool("native", size=8 * PAGE, page_size=PAGE, layers=2, heads=2, head_dim=64)
     host = host_modules.mha.MHATokenToKVPoolHost(dense, 2.0, 0, PAGE, "page_head", pin_memory=False, device="cpu")
-    assert host.device_layer_runs is None
+    assert host.device_rows_packed and host.device_row_stride_bytes == host.token_stride_size
 
 
 def test_mla_rows_the_jit_kernel_cannot_take(host_modules):
@@ -131,7 +133,7 @@ def test_mla_rows_the_jit_kernel_cannot_take(host_modules):
     kernels address rows as if each layer were dense."""
     pool = mla_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=2, kv_lora_rank=512,
                     qk_rope_head_dim=64, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="JIT HiCache kernel.*unavailable.*disable --enable-hierarchical-cache"):
+    with pytest.raises(ValueError, match="only the JIT HiCache kernels copy.*disable --enable-hierarchical-cache"):
         host_modules.mla.MLATokenToKVPoolHost(pool, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu")
 
 
@@ -154,16 +156,18 @@ def _mixed_mamba_pool(mix):
     else:
         temporal = [state.temporal for state in layers]
         conv = [[layers[0].conv[0], per_layer.at_layer_idx(1).conv[0]]]
-    return SimpleNamespace(mamba_cache=PerLayerMambaState(MambaPool.State, conv, temporal), num_mamba_layers=2,
+    pool = SimpleNamespace(mamba_cache=PerLayerMambaState(MambaPool.State, conv, temporal), num_mamba_layers=2,
                            size=4, device="cpu")
+    pool.mamba2_layer_cache = pool.mamba_cache.at_layer_idx
+    return pool
 
 
-@pytest.mark.parametrize("kind,names", [("mha", "MHA KV"), ("mla", "MLA KV"),
-                                        ("mamba-temporal", "Mamba temporal state"),
-                                        ("mamba-conv", "Mamba conv state 0")])
+@pytest.mark.parametrize("kind,names", [("mha", "KV rows of layer 0: its views"), ("mla", "KV rows"),
+                                        ("mamba-temporal", "Mamba state: its per-layer views"),
+                                        ("mamba-conv", "Mamba state: its per-layer views")])
 def test_views_without_one_row_stride_are_refused_by_name(host_modules, kind, names):
     """A pool whose views share no row stride cannot be copied by any kernel: the refusal
-    says which buffers of which pool, so that the operator knows what to change."""
+    says which buffers, so that the operator knows what to change."""
     if kind == "mha":
         pool, three = strided_mha(), mha_pool("kvcached-contiguous", size=8 * PAGE, page_size=PAGE, layers=3,
                                               heads=2, head_dim=64)
@@ -180,5 +184,64 @@ def test_views_without_one_row_stride_are_refused_by_name(host_modules, kind, na
         pool = _mixed_mamba_pool(kind.split("-")[1])
         build = lambda: host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu",
                                                          layout="page_first")
-    with pytest.raises(ValueError, match=f"HiCache cannot copy {names}: .* without one common row stride"):
+    with pytest.raises(ValueError, match=f"HiCache cannot copy the device {names}.* do not share one|"
+                                         f"MLA device pools' rows are strided by different"):
         build()
+
+
+def _refusals(host_modules):
+    from tests.support.kvcached_views import mamba_pool
+
+    mamba = lambda: mamba_pool("kvcached-contiguous", slots=4, layers=2, conv_shapes=[(96, 3)],
+                               temporal_shape=(2, 16, 16), page_bytes=64 << 10)
+    return {
+        "mha page_head": lambda: host_modules.mha.MHATokenToKVPoolHost(
+            strided_mha(), 2.0, 0, PAGE, "page_head", pin_memory=False, device="cpu"),
+        "mla page_first_direct": lambda: host_modules.mla.MLATokenToKVPoolHost(
+            strided_mla(), 2.0, 0, PAGE, "page_first_direct", pin_memory=False, device="cpu"),
+        "asymmetric page_first": lambda: host_modules.mha.AsymmetricMHATokenToKVPoolHost(
+            strided_mha(), 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu"),
+        "mamba page_first_direct": lambda: host_modules.mamba.MambaPoolHost(
+            mamba(), 2.0, 0, pin_memory=False, device="cpu", layout="page_first_direct"),
+    }
+
+
+@pytest.mark.parametrize("name", ["mha page_head", "mla page_first_direct", "asymmetric page_first",
+                                  "mamba page_first_direct"])
+def test_refusals_come_before_any_host_memory_is_allocated(host_modules, monkeypatch, name):
+    """A refused pool allocates and pins nothing: there is nothing to unpin or leak."""
+    allocated = []
+    for module in (host_modules.mha, host_modules.mla, host_modules.mamba):
+        funcs = module.ALLOC_MEMORY_FUNCS
+        monkeypatch.setattr(module, "ALLOC_MEMORY_FUNCS",
+                            type(funcs)(lambda: lambda *a, **kw: allocated.append(a) or torch.empty(0)))
+    with pytest.raises(ValueError):
+        _refusals(host_modules)[name]()
+    assert allocated == []
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "mamba", "dense"])
+def test_a_served_strided_pool_says_so_once_at_startup(host_modules, caplog, kind):
+    """One log line tells an operator that strided device views are served, and how far
+    apart their rows lie; SGLang's own dense pools log nothing of the kind."""
+    from tests.support.kvcached_views import mamba_pool
+
+    caplog.set_level("INFO")
+    if kind == "mha":
+        host_modules.mha.MHATokenToKVPoolHost(strided_mha(), 2.0, 0, PAGE, "page_first", pin_memory=False,
+                                              device="cpu")
+    elif kind == "mla":
+        host_modules.mla.MLATokenToKVPoolHost(strided_mla(), 2.0, 0, PAGE, "layer_first", pin_memory=False,
+                                              device="cpu")
+    elif kind == "mamba":
+        pool = mamba_pool("kvcached-contiguous", slots=4, layers=2, conv_shapes=[(96, 3)],
+                          temporal_shape=(2, 16, 16), page_bytes=64 << 10)
+        host_modules.mamba.MambaPoolHost(pool, 2.0, 0, pin_memory=False, device="cpu", layout="page_first")
+    else:
+        dense = mha_pool("native", size=8 * PAGE, page_size=PAGE, layers=2, heads=2, head_dim=64)
+        host_modules.mha.MHATokenToKVPoolHost(dense, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu")
+    said = [r.getMessage() for r in caplog.records if "strided" in r.getMessage()]
+    if kind == "dense":
+        assert said == []
+    else:
+        assert len(said) == 1 and " B apart); host transfers step device " in said[0], said

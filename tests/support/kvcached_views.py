@@ -182,4 +182,4 @@ def mamba_pool(layout, *, slots, layers, conv_shapes, temporal_shape, conv_dtype
     pool = SimpleNamespace(mamba_cache=cache, num_mamba_layers=layers, size=slots, device="cpu")
     # MambaPool.get_kv_size_bytes counts its state tensors (logical slots), as kvcached's does.
     pool.get_kv_size_bytes = lambda: layers * num_slots * state_bytes
-    return _with_sglang_methods(pool, "MambaPool", "get_logical_kv_size_bytes")
+    return _with_sglang_methods(pool, "MambaPool", "get_logical_kv_size_bytes", "mamba2_layer_cache")

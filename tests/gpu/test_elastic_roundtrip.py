@@ -53,7 +53,7 @@ def run_kv_roundtrip(kind, pool, host_cls, families_of, trips, layout, used=48, 
     finally:
         host.destroy()
     record(test=kind, host_layout=layout, io_backend="kernel", trips=trips, result="pass", **trip_options,
-           device_stride_bytes=host.device_layer_runs[0].row_stride_bytes if host.device_layer_runs else None,
+           device_stride_bytes=None if getattr(host, "device_rows_packed", True) else host.device_row_stride_bytes,
            seconds=round(time.time() - start, 1))
 
 

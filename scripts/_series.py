@@ -77,10 +77,21 @@ def run_script(name: str, *args, check: bool = False) -> subprocess.CompletedPro
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:
+    """The patches patches/series lists, which must be the patches patches/ holds, numbered in order as
+    export-patches writes them: an edit of either is named here (no git needed: the image has none)."""
     if not (patches / "series").is_file():
         raise SeriesError(f"{patches / 'series'} is missing")
-    return [patches / line.strip() for line in (patches / "series").read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    listed = [line.strip() for line in (patches / "series").read_text().splitlines()
+              if line.strip() and not line.lstrip().startswith("#")]
+    held = sorted(p.name for p in patches.glob("*.patch"))
+    unlisted, absent = [n for n in held if n not in listed], [n for n in listed if n not in held]
+    misplaced = [f"{n} as patch {i}" for i, n in enumerate(listed, 1) if not n.startswith(f"{i:04d}-")]
+    if unlisted or absent or misplaced:
+        wrong = (f"does not list {', '.join(unlisted)}" if unlisted else
+                 f"lists {', '.join(absent)}, not in {patches}" if absent else f"lists {', '.join(misplaced)}")
+        raise SeriesError(f"{patches / 'series'} {wrong}: it must list each patch there once, in their numbered "
+                          "order, as scripts/export-patches writes it (git checkout -- patches/ restores a checkout's)")
+    return [patches / name for name in listed]
 
 
 def patch_name(number: int, subject: str) -> str:
@@ -150,15 +161,6 @@ def blob(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def series_note() -> str:
-    """What to say of patches/series where it differs from the committed one (nothing outside a
-    git checkout, e.g. in the image, where there is nothing to compare with)."""
-    edited = git(ROOT, "rev-parse", "-q", "--verify", "HEAD", check=False).returncode == 0 and git(
-        ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
-    return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
-            "git checkout -- patches/series restores it)" if edited else "")
-
-
 @dataclass
 class Section:
     """One file's part of one patch; ``index``: how many of the series' sections for that file come before."""
@@ -176,8 +178,6 @@ class Series:
     def __init__(self, patches: Path = PATCH_DIR):
         self.patches, self.sections, self.by_file = [], [], {}
         for path in read_series(patches):
-            if not path.is_file():
-                raise SeriesError(f"{SERIES_FILE} lists {path.name}, which does not exist{series_note()}")
             self.patches.append(path.name)
             sections = re.split(rb"^(?=diff --git )", path.read_bytes(), flags=re.M)[1:]  # [0]: the message
             if not sections:
@@ -199,8 +199,7 @@ class Series:
         earlier = self.by_file.setdefault(path[1][len(PACKAGE):], [])
         if earlier and not (earlier[-1].new.startswith(index[1]) or index[1].startswith(earlier[-1].new)):
             raise SeriesError(f"{SERIES_FILE}: {patch} changes {path[1]} as {earlier[-1].patch} does not leave it "
-                              f"(blob {index[1]}, not {earlier[-1].new}): a patch is missing, added or out of order"
-                              f"{series_note()}")
+                              f"(blob {index[1]}, not {earlier[-1].new}): a patch is missing, added or out of order")
         earlier.append(Section(patch, path[1][len(PACKAGE):], index[1], index[2], text, len(earlier)))
         self.sections.append(earlier[-1])
 
@@ -374,15 +373,14 @@ class Survey:
                               "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
         if bad:
             why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
-                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote"
-                   f"{series_note()}")
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote")
             raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
                               f"then {restore_hint(self.target, bad)}")
         if self.edits() and not force:
             keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
             raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
                               f"outside the series' changes): {self.target.show(*self.edits())}; pass "
-                              f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
+                              f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}; "
                               "nothing changed")
 
 
@@ -540,8 +538,7 @@ def apply(path: str, force: bool) -> int:
                  and not blob(new[rel]).startswith(series.by_file[rel][-1].new)]
         if new is None or wrong:
             what = f"gave {target.show(*wrong)} other bytes than the index lines name" if new else "refused the series"
-            raise SeriesError(f"git apply {what} over {target.package_dir}'s files without it; nothing changed"
-                              f"{series_note()}")
+            raise SeriesError(f"git apply {what} over {target.package_dir}'s files without it; nothing changed")
         record = {"digest": series.digest, "patches": series.patches,
                   "files": {rel: {"pristine": sha(bases[rel]), "written": sha(new[rel])} for rel in series.files}}
         record = {"record.json": json.dumps(record, indent=1).encode(),

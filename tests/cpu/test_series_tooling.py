@@ -280,24 +280,58 @@ def test_modes_are_kept(fake, tmp_path):
         assert {p: p.stat().st_mode for p in files} == modes, verb
 
 
-@pytest.mark.parametrize("checkout", [True, False])
-def test_an_edited_series_is_refused_and_named(fake, tmp_path, checkout):
-    """A patch dropped or two swapped: the index lines no longer follow each other. In a git
-    checkout of the project, the message says patches/series differs from the committed one;
-    outside one (the image), there is nothing to compare with and it says nothing of it."""
-    if checkout:
-        git(fake.root, "init", "-q")
-        git(fake.root, "add", "-A")
-        git(fake.root, "commit", "-qm", "x")
+EDITS = {  # patches/series edited by hand: (the names it lists, the patch the refusal must name)
+    "last line dropped": (lambda n: n[:-1], -1), "middle line dropped": (lambda n: n[:1] + n[2:], 1),
+    "two swapped": (lambda n: [n[1], n[0], *n[2:]], 1), "emptied": (lambda n: [], 0),
+    "a line twice": (lambda n: n + n[-1:], -1), "a file it does not hold": (lambda n: n + ["0004-extra.patch"], None),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edited_series_is_refused_and_named_with_or_without_git(fake, tmp_path, edit):
+    """patches/series is checked against the patch files it comes with (export-patches numbers them in
+    order): any edit is refused before anything is read, the patch named, the same in a git checkout of
+    the project and outside one (the image has no git history)."""
     tree = fake.tree(tmp_path / "tree")
-    before, names = digest(tree), [p.name for p in fake.patches]
-    for edited in ([names[0], names[2]], [names[0], names[2], names[1]]):  # all three change one file
-        (fake.root / "patches" / "series").write_text("\n".join(edited) + "\n")
-        for verb in ("apply", "status"):
+    before, names, series = digest(tree), [p.name for p in fake.patches], (fake.root / "patches" / "series").read_text()
+    how, named = EDITS[edit]
+    said = {}
+    for checkout in (False, True):
+        if checkout:  # the series as exported committed, then edited
+            (fake.root / "patches" / "series").write_text(series)
+            git(fake.root, "init", "-q")
+            git(fake.root, "add", "-A")
+            git(fake.root, "commit", "-qm", "x")
+        (fake.root / "patches" / "series").write_text("".join(f"{n}\n" for n in how(names)))
+        for verb in ("apply", "status", "reverse"):
             proc = fake.run(verb, tree)
-            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-            assert "a patch is missing, added or out of order" in proc.stderr
-            assert ("patches/series differs from the committed one" in proc.stderr) == checkout
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (verb, proc.stdout, proc.stderr)
+            assert "patches/series" in proc.stderr and (names[named] if named is not None else "0004-extra") \
+                in proc.stderr, proc.stderr
+            said.setdefault(verb, set()).add(proc.stderr)
+    assert all(len(messages) == 1 for messages in said.values()), said  # git or not: the same refusal
+    assert digest(tree) == before
+
+
+def test_a_dropped_patch_that_a_later_one_builds_on_is_named_not_blamed_on_sglangs_file(tmp_path):
+    """Patch 2 is the first to change copy.cuh and patch 3 changes its change: without patch 2 (its
+    line, or its file and line) the series' first change to copy.cuh is not to SGLang's bytes. The
+    refusal names the patch, not SGLang's file (which is its own) nor a reinstall."""
+    edits = [("pool: one", {"srt/pool.py": [("return 1\n", "return 2 * 1\n")]}),
+             ("kernels: first", {"srt/kernels/copy.cuh": [("x + 3;", "x + 3 + 1;")]}),
+             ("kernels: builds on the first", {"srt/kernels/copy.cuh": [("x + 3 + 1;", "x + 3 + 2;")]})]
+    fake = synthetic(tmp_path / "series", edits)
+    tree = fake.tree(tmp_path / "tree")
+    before, patches = digest(tree), fake.patches
+    for removed in ("line", "file"):
+        (fake.root / "patches" / "series").write_text(f"{patches[0].name}\n{patches[2].name}\n")
+        if removed == "file":
+            patches[1].unlink()
+        for verb in ("apply", "status", "reverse"):
+            proc = fake.run(verb, tree)
+            assert proc.returncode == 1 and (patches[1] if removed == "line" else patches[2]).name in proc.stderr, \
+                (removed, verb, proc.stderr)
+            assert "copy.cuh" not in proc.stderr and "force-reinstall" not in proc.stderr, proc.stderr
     assert digest(tree) == before
 
 

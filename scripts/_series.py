@@ -312,8 +312,7 @@ class Survey:
         except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
             raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer "
                               "version; remove it only if the tree's files are SGLang's own")
-        self.outdated = bool(self.record) and self.record["digest"] != series.digest
-        recorded = self.record["files"] if self.record else {}
+        recorded, vouched = self.record["files"] if self.record else {}, []
         for rel in dict.fromkeys(series.files + list(recorded)):
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
@@ -326,6 +325,10 @@ class Survey:
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
                 f.base, f.held = kept.read_bytes(), len(sections)
                 f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
+                vouched.append(rel)
+                continue
+            if not sections and sha(f.data) == recorded[rel]["pristine"]:  # only a stale record's: as it was
+                f.base, f.held = f.data, 0
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
@@ -338,6 +341,8 @@ class Survey:
                 f.base, f.held, f.edited = f.data, 0, True
             if f.base is None:  # no SGLang bytes under it
                 f.problem, f.held = "conflicting", None
+        # from another patches/, and holding what it wrote (else stale: e.g. SGLang reinstalled since; the bytes tell)
+        self.outdated = bool(vouched) and self.record["digest"] != series.digest
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting; none if outdated
         for name in [] if self.outdated else series.patches:
             mine = [s for s in series.sections if s.patch == name]

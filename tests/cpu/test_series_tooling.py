@@ -177,6 +177,30 @@ def test_a_tree_applied_from_another_series_is_outdated_and_brought_to_this_one(
     assert other.run("reverse", tree).returncode == 0 and digest(tree) == before
 
 
+def test_a_stale_record_is_resolved_from_the_pristine_hashes_it_holds(fake, tmp_path):
+    """Applied, then the series loses its last patch (the only one to change cache.py) and every file
+    gets SGLang's bytes back with the record left (pip install --force-reinstall): the record vouches
+    for no file, so the tree reads as what it holds, pristine, and apply and reverse go through."""
+    tree = fake.tree(tmp_path / "tree")
+    before = digest(tree)
+    assert fake.run("apply", tree).returncode == 0
+    for rel in fake.files:
+        (package(tree, "installed") / rel).unlink()  # a reinstall writes new files
+        shutil.copy2(fake.pristine / rel, package(tree, "installed") / rel)
+    other = synthetic(tmp_path / "other", FAKE_PATCHES[:-1])
+    status = other.run("status", tree)
+    assert status.returncode == 3 and first_line(status).endswith("series pristine"), (status.stdout, status.stderr)
+    assert [line.split("]")[0] + "]" for line in status.stdout.splitlines()[1:]] == ["  [ ]"] * len(other.patches)
+    reversed_ = other.run("reverse", shutil.copytree(tree, tmp_path / "reversed"))
+    assert reversed_.returncode == 0 and digest(tmp_path / "reversed") == before, reversed_.stderr
+    applied = other.run("apply", tree)
+    assert applied.returncode == 0, applied.stderr
+    expected = fake.tree(tmp_path / "expected")
+    git_apply(expected, "installed", other.patches)
+    assert digest(tree, record=False) == digest(expected)
+    assert other.run("reverse", tree).returncode == 0 and digest(tree) == before
+
+
 def test_files_a_patch_tool_left_are_named_and_kept(fake, tmp_path):
     tree = fake.tree(tmp_path / "tree")
     target = package(tree, "installed") / fake.files[0]

@@ -482,7 +482,9 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, 
             os.replace(swap / "new" / rel, pkg / rel)
         for folder in {(pkg / rel).parent for rel in changes}:
             _fsync(folder)
-        os.rename(swap, done)
+        os.rename(swap, done)  # the commit: a signal from here on would only hide that the change went through
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
         _fsync(pkg)
     except BaseException as exc:
         code = exc.code if isinstance(exc, SeriesError) else 1  # a SeriesError here is a signal (_stop)
@@ -593,19 +595,23 @@ def status(path: str) -> int:
 
 
 def _stop(signum, frame):  # a verb's SIGINT, SIGTERM, SIGHUP: one line, exit 128+N (transact says what it undid)
+    for each in SIGNALS:  # once: another cannot cut short the rollback this one starts
+        signal.signal(each, signal.SIG_IGN)
     raise SeriesError(f"interrupted ({signal.Signals(signum).name}) before anything was written; nothing changed",
                       128 + signum)
 
 
 def main(verb: str, doc: str) -> None:
-    """A verb's command line (scripts/apply, reverse, status)."""
-    parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
-    if verb != "status":
-        parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
-    args = parser.parse_args()
-    for signum in SIGNALS:
-        signal.signal(signum, _stop)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
-    cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))
+    """A verb's command line (scripts/apply, reverse, status); its wrapper catches a Ctrl-C before this."""
+    def run() -> int:
+        for signum in SIGNALS:
+            signal.signal(signum, _stop)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
+        parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
+        if verb != "status":
+            parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
+        args = parser.parse_args()
+        return globals()[verb](args.target, *([] if verb == "status" else [args.force]))
+    cli(run)

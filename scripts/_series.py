@@ -7,7 +7,8 @@ recover) and the lock every verb takes: docs/contributing.md, "How the scripts c
 """
 from __future__ import annotations
 
-import argparse, contextlib, csv, fcntl, hashlib, json, os, re, shutil, signal, subprocess, sys, tempfile  # noqa: E401
+import argparse, contextlib, csv, errno, fcntl, hashlib, json, os, re, shutil, signal, subprocess, sys  # noqa: E401
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -517,7 +518,9 @@ def opened(path: str):
             raise SeriesError(f"another apply, reverse or status is working on {target.package_dir}; wait for it")
         try:
             note = recover(target.package_dir)
-        except PermissionError as exc:
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
             raise SeriesError(f"an apply or reverse was cut short in {target.package_dir}; finishing it needs write "
                               f"access ({exc}): run this as its owner or root")
         if note:

@@ -219,6 +219,21 @@ def test_a_second_ctrl_c_as_the_rollback_starts_does_not_stop_it(fake, tmp_path)
     assert proc.returncode == 130
 
 
+@pytest.mark.parametrize("error", ["EROFS", "EACCES"])
+def test_a_change_cut_short_in_a_tree_that_became_read_only_is_named(fake, tmp_path, error):
+    """A kill mid-swap, then the tree read-only (a read-only mount, EROFS, or no permission): status
+    cannot finish the change and says so, in one line, not as a raw OS error."""
+    tree, before, _ = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
+    assert fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid)}).returncode == -9
+    held = digest(tree)
+    proc = fake.run("status", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": "1", "TRACE_DO": error})
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "finishing it needs write access" in proc.stderr and digest(tree) == held, proc.stderr
+    assert fake.run("status", tree).returncode == 3 and digest(tree) == before
+
+
 @needs_pristine
 @pytest.mark.parametrize("verb", ["apply", "reverse"])
 def test_a_full_disk_fails_a_write_part_way_and_changes_nothing(tmp_path, verb):

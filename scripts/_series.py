@@ -35,8 +35,20 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+class Parser(argparse.ArgumentParser):
+    """A script's arguments, its docstring the help; a usage error is one 'error:' line and exit 1."""
+
+    def __init__(self, doc: str, **kwargs):
+        super().__init__(prog=f"scripts/{Path(sys.argv[0]).name}", description=doc,
+                         formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        fail(f"{message} ({self.prog} --help says how to run it)")
+
+
 def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
     """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
+    sys.stdout.reconfigure(errors="backslashreplace")  # a path that is not UTF-8, under a strict encoding
     try:
         sys.exit(main(*args))
     except SeriesError as exc:
@@ -610,8 +622,7 @@ def main(verb: str, doc: str) -> None:
         for signum in SIGNALS:
             signal.signal(signum, _stop)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
-        parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = Parser(doc)
         parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
         if verb != "status":
             parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")

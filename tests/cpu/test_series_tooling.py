@@ -242,6 +242,31 @@ def test_bad_paths_get_one_line(fake, tmp_path, bad):
         assert expected in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("script", ["apply", "reverse", "status", "install-into-python", "check", "import-patches",
+                                    "export-patches", "build-pristine", "fetch-wheel"])
+def test_a_usage_error_is_one_line_and_exit_1(fake, tmp_path, script):
+    """An unknown option (or a verb without its tree): one 'error:' line, exit 1 as any other error,
+    not argparse's two lines and exit 2, which the scripts' exit codes do not have."""
+    for args in (["--no-such-option", tmp_path], [] if script in ("apply", "reverse", "status") else None):
+        if args is not None:
+            proc = fake.run(script, *args)
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (args, proc.stderr)
+            assert proc.stderr.startswith("error: "), proc.stderr
+    assert fake.run(script, "--help").returncode == 0
+
+
+def test_a_tree_path_that_is_not_utf_8_is_printed_under_a_strict_stdout(fake, tmp_path):
+    """A folder name that is not UTF-8 (Python holds it with surrogates) and PYTHONIOENCODING=utf-8
+    (strict): each verb does its work and says so, no traceback."""
+    tree = fake.tree(tmp_path / os.fsdecode(b"tree-\xff"))
+    strict = {"PYTHONIOENCODING": "utf-8"}
+    for verb, code in (("apply", 0), ("status", 0), ("reverse", 0), ("status", 3)):
+        proc = fake.run(verb, tree, env=strict)
+        assert proc.returncode == code and "Traceback" not in proc.stderr, (verb, proc.stderr)
+        assert "tree-" in proc.stdout
+    assert digest(tree) == digest(fake.tree(tmp_path / "pristine"))
+
+
 def test_the_package_folder_itself_is_a_target_and_two_packages_are_refused(fake, tmp_path):
     tree = fake.tree(tmp_path / "tree")
     assert fake.run("apply", package(tree, "installed")).returncode == 0

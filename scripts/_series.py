@@ -487,6 +487,9 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, 
             meta["files"][rel] = {"old": sha(old), "new": sha(new)}
         for rel, data in (record or {}).items():
             _write(tmp / "record" / rel, data)
+        mode = pkg.stat().st_mode & 0o777  # the record: as readable as the package, whatever the umask
+        for path in [tmp / "record", *(tmp / "record").rglob("*")] if record else []:
+            path.chmod(mode if path.is_dir() else mode & 0o666)
         _write(tmp / "meta.json", json.dumps(meta).encode())
         os.rename(tmp, swap)
         _fsync(pkg)

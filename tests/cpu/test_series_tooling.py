@@ -267,6 +267,22 @@ def test_a_tree_path_that_is_not_utf_8_is_printed_under_a_strict_stdout(fake, tm
     assert digest(tree) == digest(fake.tree(tmp_path / "pristine"))
 
 
+def test_a_record_written_under_umask_077_is_as_readable_as_the_tree(fake, tmp_path):
+    """Another user who can read the tree (a shared site-packages) can read the record apply kept,
+    whatever the umask of the user who applied: its folders and files grant the package folder's read
+    permissions."""
+    tree = fake.tree(tmp_path / "tree")
+    pkg = package(tree, "installed")
+    pkg.chmod(0o755)
+    proc = subprocess.run([sys.executable, str(fake.root / "scripts" / "apply"), str(tree)], capture_output=True,
+                          text=True, preexec_fn=lambda: os.umask(0o077))
+    assert proc.returncode == 0, proc.stderr
+    record = [pkg / RECORD, *sorted((pkg / RECORD).rglob("*"))]
+    assert len(record) > 2
+    for path in record:
+        assert path.stat().st_mode & 0o555 == (0o555 if path.is_dir() else 0o444), path
+
+
 def test_the_package_folder_itself_is_a_target_and_two_packages_are_refused(fake, tmp_path):
     tree = fake.tree(tmp_path / "tree")
     assert fake.run("apply", package(tree, "installed")).returncode == 0

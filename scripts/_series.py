@@ -38,9 +38,9 @@ def fail(message: str, code: int = 1):
 class Parser(argparse.ArgumentParser):
     """A script's arguments, its docstring the help; a usage error is one 'error:' line and exit 1."""
 
-    def __init__(self, doc: str, **kwargs):
+    def __init__(self, doc: str):
         super().__init__(prog=f"scripts/{Path(sys.argv[0]).name}", description=doc,
-                         formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def error(self, message: str):
         fail(f"{message} ({self.prog} --help says how to run it)")

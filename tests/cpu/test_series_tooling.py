@@ -381,7 +381,8 @@ def test_an_edited_series_is_refused_and_named_with_or_without_git(fake, tmp_pat
 def test_a_dropped_patch_that_a_later_one_builds_on_is_named_not_blamed_on_sglangs_file(tmp_path):
     """Patch 2 is the first to change copy.cuh and patch 3 changes its change: without patch 2 (its
     line, or its file and line) the series' first change to copy.cuh is not to SGLang's bytes. The
-    refusal names the patch, not SGLang's file (which is its own) nor a reinstall."""
+    refusal names the series' fault (patch 2 not listed, patch 3 listed second), not SGLang's file
+    (which is its own) nor a reinstall."""
     edits = [("pool: one", {"srt/pool.py": [("return 1\n", "return 2 * 1\n")]}),
              ("kernels: first", {"srt/kernels/copy.cuh": [("x + 3;", "x + 3 + 1;")]}),
              ("kernels: builds on the first", {"srt/kernels/copy.cuh": [("x + 3 + 1;", "x + 3 + 2;")]})]

@@ -7,7 +7,8 @@ recover) and the lock every verb takes: docs/contributing.md, "How the scripts c
 """
 from __future__ import annotations
 
-import argparse, contextlib, csv, fcntl, hashlib, json, os, re, shutil, signal, subprocess, sys, tempfile  # noqa: E401
+import argparse, contextlib, csv, errno, fcntl, hashlib, json, os, re, shutil, signal, subprocess, sys  # noqa: E401
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,20 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+class Parser(argparse.ArgumentParser):
+    """A script's arguments, its docstring the help; a usage error is one 'error:' line and exit 1."""
+
+    def __init__(self, doc: str):
+        super().__init__(prog=f"scripts/{Path(sys.argv[0]).name}", description=doc,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message: str):
+        fail(f"{message} ({self.prog} --help says how to run it)")
+
+
 def cli(main, *args, interrupted: str = "interrupted (Ctrl-C)") -> None:
     """Run a script's main(): a SeriesError, an OSError or Ctrl-C becomes one 'error: ...' line."""
+    sys.stdout.reconfigure(errors="backslashreplace")  # a path that is not UTF-8, under a strict encoding
     try:
         sys.exit(main(*args))
     except SeriesError as exc:
@@ -77,10 +90,21 @@ def run_script(name: str, *args, check: bool = False) -> subprocess.CompletedPro
 
 
 def read_series(patches: Path = PATCH_DIR) -> list[Path]:
+    """The patches patches/series lists, which must be the patches patches/ holds, numbered in order as
+    export-patches writes them: an edit of either is named here (no git needed: the image has none)."""
     if not (patches / "series").is_file():
         raise SeriesError(f"{patches / 'series'} is missing")
-    return [patches / line.strip() for line in (patches / "series").read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    listed = [line.strip() for line in (patches / "series").read_text().splitlines()
+              if line.strip() and not line.lstrip().startswith("#")]
+    held = sorted(p.name for p in patches.glob("*.patch"))
+    unlisted, absent = [n for n in held if n not in listed], [n for n in listed if n not in held]
+    misplaced = [f"{n} as patch {i}" for i, n in enumerate(listed, 1) if not n.startswith(f"{i:04d}-")]
+    if unlisted or absent or misplaced:
+        wrong = (f"does not list {', '.join(unlisted)}" if unlisted else
+                 f"lists {', '.join(absent)}, not in {patches}" if absent else f"lists {', '.join(misplaced)}")
+        raise SeriesError(f"{patches / 'series'} {wrong}: it must list each patch there once, in their numbered "
+                          "order, as scripts/export-patches writes it (git checkout -- patches/ restores a checkout's)")
+    return [patches / name for name in listed]
 
 
 def patch_name(number: int, subject: str) -> str:
@@ -150,15 +174,6 @@ def blob(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def series_note() -> str:
-    """What to say of patches/series where it differs from the committed one (nothing outside a
-    git checkout, e.g. in the image, where there is nothing to compare with)."""
-    edited = git(ROOT, "rev-parse", "-q", "--verify", "HEAD", check=False).returncode == 0 and git(
-        ROOT, "diff", "--quiet", "HEAD", "--", str(SERIES_FILE), check=False).returncode == 1
-    return (" (patches/series differs from the committed one: git diff -- patches/series shows how, "
-            "git checkout -- patches/series restores it)" if edited else "")
-
-
 @dataclass
 class Section:
     """One file's part of one patch; ``index``: how many of the series' sections for that file come before."""
@@ -176,8 +191,6 @@ class Series:
     def __init__(self, patches: Path = PATCH_DIR):
         self.patches, self.sections, self.by_file = [], [], {}
         for path in read_series(patches):
-            if not path.is_file():
-                raise SeriesError(f"{SERIES_FILE} lists {path.name}, which does not exist{series_note()}")
             self.patches.append(path.name)
             sections = re.split(rb"^(?=diff --git )", path.read_bytes(), flags=re.M)[1:]  # [0]: the message
             if not sections:
@@ -199,8 +212,7 @@ class Series:
         earlier = self.by_file.setdefault(path[1][len(PACKAGE):], [])
         if earlier and not (earlier[-1].new.startswith(index[1]) or index[1].startswith(earlier[-1].new)):
             raise SeriesError(f"{SERIES_FILE}: {patch} changes {path[1]} as {earlier[-1].patch} does not leave it "
-                              f"(blob {index[1]}, not {earlier[-1].new}): a patch is missing, added or out of order"
-                              f"{series_note()}")
+                              f"(blob {index[1]}, not {earlier[-1].new}): a patch is missing, added or out of order")
         earlier.append(Section(patch, path[1][len(PACKAGE):], index[1], index[2], text, len(earlier)))
         self.sections.append(earlier[-1])
 
@@ -313,8 +325,7 @@ class Survey:
         except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
             raise SeriesError(f"{pkg / RECORD} is unreadable ({exc}): not written by these scripts, or by a newer "
                               "version; remove it only if the tree's files are SGLang's own")
-        self.outdated = bool(self.record) and self.record["digest"] != series.digest
-        recorded = self.record["files"] if self.record else {}
+        recorded, vouched = self.record["files"] if self.record else {}, []
         for rel in dict.fromkeys(series.files + list(recorded)):
             f = self.files[rel] = File()
             path, sections, kept = pkg / rel, series.by_file.get(rel, []), pkg / RECORD / "pristine" / rel
@@ -327,6 +338,10 @@ class Survey:
                     and sha(kept.read_bytes()) == recorded[rel]["pristine"]:
                 f.base, f.held = kept.read_bytes(), len(sections)
                 f.edited = bool(sections) and not blob(f.base).startswith(sections[0].old)  # forced over edits
+                vouched.append(rel)
+                continue
+            if not sections and sha(f.data) == recorded[rel]["pristine"]:  # only a stale record's: as it was
+                f.base, f.held = f.data, 0
                 continue
             blobs = [s.old for s in sections[:1]] + [s.new for s in sections]
             f.held = next((k for k in range(len(blobs) - 1, -1, -1) if blob(f.data).startswith(blobs[k])), None)
@@ -339,6 +354,8 @@ class Survey:
                 f.base, f.held, f.edited = f.data, 0, True
             if f.base is None:  # no SGLang bytes under it
                 f.problem, f.held = "conflicting", None
+        # from another patches/, and holding what it wrote (else stale: e.g. SGLang reinstalled since; the bytes tell)
+        self.outdated = bool(vouched) and self.record["digest"] != series.digest
         self.patches = []  # (patch, state, detail): applied, not applied, partly applied, conflicting; none if outdated
         for name in [] if self.outdated else series.patches:
             mine = [s for s in series.sections if s.patch == name]
@@ -374,15 +391,14 @@ class Survey:
                               "cp --remove-destination \"$(readlink -f LINK)\" LINK)")
         if bad:
             why = (f"missing from {self.target.root}" if self.having("missing") else f"hold neither SGLang "
-                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote"
-                   f"{series_note()}")
+                   f"{EXPECTED_VERSION}'s bytes, nor the series' over them, nor what these scripts wrote")
             raise SeriesError(f"{self.target.show(*bad)} {why}; nothing changed: keep a copy of any edits of your own, "
                               f"then {restore_hint(self.target, bad)}")
         if self.edits() and not force:
             keep = "apply the series over them" if verb == "apply" else "take the series out and keep them"
             raise SeriesError(f"local edits in files the series touches (they differ from SGLang {EXPECTED_VERSION} "
                               f"outside the series' changes): {self.target.show(*self.edits())}; pass "
-                              f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}{series_note()}; "
+                              f"{os.environ.get('SERIES_FORCE_HINT') or '--force'} to {keep}; "
                               "nothing changed")
 
 
@@ -471,6 +487,9 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, 
             meta["files"][rel] = {"old": sha(old), "new": sha(new)}
         for rel, data in (record or {}).items():
             _write(tmp / "record" / rel, data)
+        mode = pkg.stat().st_mode & 0o777  # the record: as readable as the package, whatever the umask
+        for path in [tmp / "record", *(tmp / "record").rglob("*")] if record else []:
+            path.chmod(mode if path.is_dir() else mode & 0o666)
         _write(tmp / "meta.json", json.dumps(meta).encode())
         os.rename(tmp, swap)
         _fsync(pkg)
@@ -479,7 +498,9 @@ def transact(pkg: Path, verb: str, changes: dict[str, bytes], record: dict[str, 
             os.replace(swap / "new" / rel, pkg / rel)
         for folder in {(pkg / rel).parent for rel in changes}:
             _fsync(folder)
-        os.rename(swap, done)
+        os.rename(swap, done)  # the commit: a signal from here on would only hide that the change went through
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
         _fsync(pkg)
     except BaseException as exc:
         code = exc.code if isinstance(exc, SeriesError) else 1  # a SeriesError here is a signal (_stop)
@@ -512,7 +533,9 @@ def opened(path: str):
             raise SeriesError(f"another apply, reverse or status is working on {target.package_dir}; wait for it")
         try:
             note = recover(target.package_dir)
-        except PermissionError as exc:
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
             raise SeriesError(f"an apply or reverse was cut short in {target.package_dir}; finishing it needs write "
                               f"access ({exc}): run this as its owner or root")
         if note:
@@ -540,8 +563,7 @@ def apply(path: str, force: bool) -> int:
                  and not blob(new[rel]).startswith(series.by_file[rel][-1].new)]
         if new is None or wrong:
             what = f"gave {target.show(*wrong)} other bytes than the index lines name" if new else "refused the series"
-            raise SeriesError(f"git apply {what} over {target.package_dir}'s files without it; nothing changed"
-                              f"{series_note()}")
+            raise SeriesError(f"git apply {what} over {target.package_dir}'s files without it; nothing changed")
         record = {"digest": series.digest, "patches": series.patches,
                   "files": {rel: {"pristine": sha(bases[rel]), "written": sha(new[rel])} for rel in series.files}}
         record = {"record.json": json.dumps(record, indent=1).encode(),
@@ -591,19 +613,22 @@ def status(path: str) -> int:
 
 
 def _stop(signum, frame):  # a verb's SIGINT, SIGTERM, SIGHUP: one line, exit 128+N (transact says what it undid)
+    for each in SIGNALS:  # once: another cannot cut short the rollback this one starts
+        signal.signal(each, signal.SIG_IGN)
     raise SeriesError(f"interrupted ({signal.Signals(signum).name}) before anything was written; nothing changed",
                       128 + signum)
 
 
 def main(verb: str, doc: str) -> None:
-    """A verb's command line (scripts/apply, reverse, status)."""
-    parser = argparse.ArgumentParser(prog=f"scripts/{verb}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
-    if verb != "status":
-        parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
-    args = parser.parse_args()
-    for signum in SIGNALS:
-        signal.signal(signum, _stop)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
-    cli(globals()[verb], args.target, *([] if verb == "status" else [args.force]))
+    """A verb's command line (scripts/apply, reverse, status); its wrapper catches a Ctrl-C before this."""
+    def run() -> int:
+        for signum in SIGNALS:
+            signal.signal(signum, _stop)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scripts/status X | head` is not an error
+        parser = Parser(doc)
+        parser.add_argument("target", help="SGLang checkout, folder holding an installed sglang/, or sglang/ itself")
+        if verb != "status":
+            parser.add_argument("--force", action="store_true", help="over local edits (they are kept)")
+        args = parser.parse_args()
+        return globals()[verb](args.target, *([] if verb == "status" else [args.force]))
+    cli(run)

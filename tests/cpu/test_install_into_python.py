@@ -62,6 +62,18 @@ def test_installed_folder(tmp_path):
     assert again.returncode == 0 and "already applied" in again.stdout
 
 
+def test_a_relative_interpreter_path_is_taken_from_where_it_was_given(tmp_path):
+    """--python env/bin/python, relative to the caller's folder (the script runs the interpreter from
+    another folder)."""
+    site = copy_pristine(tmp_path / "site")
+    (tmp_path / "env").symlink_to(Path(sys.executable).parent.parent)  # a venv or an installation
+    relative = f"env/bin/{Path(sys.executable).name}"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"), "--python", relative],
+                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert proc.returncode == 0 and "series applied" in proc.stdout, proc.stderr
+    assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
+
+
 def test_editable_checkout_is_patched_at_its_root(tmp_path):
     checkout = tmp_path / "sglang-checkout"
     copy_pristine(checkout / "python")

@@ -141,6 +141,99 @@ def test_ctrl_c_before_anything_is_written_is_one_line_and_130(fake, tmp_path):
     assert digest(tree) == before
 
 
+# Runs PROGRAM ARG... and sends itself SIGINT at the AT-th of: an import (Python loading the scripts),
+# a close of a folder's descriptor (rmtree's, the fsyncs', the lock's), a call of _series.recover (a
+# rollback starting); AT 0: none, the count written to $CALLS at exit.
+AT_CALL = """
+import atexit, os, runpy, signal, sys
+what, at, calls = sys.argv[1], int(sys.argv[2]), []
+atexit.register(lambda: at or open(os.environ["CALLS"], "w").write(str(calls.count(1))))
+def count(*_):
+    calls.append(1)
+    if calls.count(1) == at:
+        os.kill(os.getpid(), signal.SIGINT)
+def wrap(owner, name, counts):
+    real = getattr(owner, name)
+    setattr(owner, name, lambda *args: (counts(*args) and count(), real(*args))[1])
+if what == "import":  # from the script's first line (its exec) on
+    sys.addaudithook(lambda event, args: event == "exec" and getattr(args[0], "co_filename", "") == sys.argv[0]
+                     and calls.append(0) or event == "import" and 0 in calls and count())
+elif what == "close":
+    wrap(os, "close", lambda fd: os.path.isdir(f"/proc/self/fd/{fd}"))
+else:
+    sys.path.insert(0, sys.argv[3])
+    import _series
+    wrap(_series, "recover", lambda pkg: True)
+sys.argv = sys.argv[4:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def signalled(series, what: str, at: int, tree: Path, traced: dict | None = None) -> subprocess.CompletedProcess:
+    program = [str(TRACER)] if traced else []
+    return subprocess.run([sys.executable, "-c", AT_CALL, what, str(at), str(series.root / "scripts"), *program,
+                           str(series.root / "scripts" / "apply"), str(tree)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "CALLS": str(tree) + ".calls",
+                               **(traced or {})})
+
+
+def calls(series, what: str, tree: Path, scratch: Path) -> int:
+    """How many of ``what`` a clean apply of ``tree`` makes."""
+    copy = shutil.copytree(tree, scratch / "counted")
+    assert signalled(series, what, 0, copy).returncode == 0
+    return int(Path(str(copy) + ".calls").read_text())
+
+
+def says_what_it_did(proc, tree: Path, before: dict, after: dict) -> None:
+    """One 'error:' line: nothing changed and the tree is as it was, or the change went through; or the
+    change done, exit 0. Never a traceback."""
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 1, proc.stderr
+    if proc.returncode == 0 or "went through" in proc.stderr:
+        _series.recover(package(tree, "installed"))
+        assert digest(tree) == after, proc.stderr
+    else:
+        assert proc.returncode == 130 and "nothing changed" in proc.stderr, proc.stderr
+        assert digest(tree) == before, proc.stderr
+
+
+@pytest.mark.parametrize("what", ["import", "close"])
+def test_ctrl_c_while_loading_or_as_the_lock_is_released_says_what_happened(fake, tmp_path, what):
+    """Ctrl-C at one import in every few while Python loads the scripts (before any handler is set), and
+    at each close of a folder's descriptor, the lock's last of all (after the commit): the apply says
+    what it did, in one line."""
+    tree, before, after = start(fake, tmp_path, "apply", "installed")
+    count = calls(fake, what, tree, tmp_path)
+    for at in range(1, count + 1, 9 if what == "import" else 1):
+        copy = shutil.copytree(tree, tmp_path / f"{what}-{at}")
+        says_what_it_did(signalled(fake, what, at, copy), copy, before, after)
+
+
+def test_a_second_ctrl_c_as_the_rollback_starts_does_not_stop_it(fake, tmp_path):
+    """Ctrl-C mid-swap, then another as the rollback starts: the rollback finishes in the same run."""
+    tree, before, after = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
+    proc = signalled(fake, "recover", 2, tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid),
+                                                      "TRACE_DO": "SIGINT"})
+    says_what_it_did(proc, tree, before, after)
+    assert proc.returncode == 130
+
+
+@pytest.mark.parametrize("error", ["EROFS", "EACCES"])
+def test_a_change_cut_short_in_a_tree_that_became_read_only_is_named(fake, tmp_path, error):
+    """A kill mid-swap, then the tree read-only (a read-only mount, EROFS, or no permission): status
+    cannot finish the change and says so, in one line, not as a raw OS error."""
+    tree, before, _ = start(fake, tmp_path, "apply", "installed")
+    trace = steps(fake, tree, "apply", tmp_path)
+    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
+    assert fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid)}).returncode == -9
+    held = digest(tree)
+    proc = fake.run("status", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": "1", "TRACE_DO": error})
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "finishing it needs write access" in proc.stderr and digest(tree) == held, proc.stderr
+    assert fake.run("status", tree).returncode == 3 and digest(tree) == before
+
+
 @needs_pristine
 @pytest.mark.parametrize("verb", ["apply", "reverse"])
 def test_a_full_disk_fails_a_write_part_way_and_changes_nothing(tmp_path, verb):

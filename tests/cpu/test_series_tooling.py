@@ -177,6 +177,30 @@ def test_a_tree_applied_from_another_series_is_outdated_and_brought_to_this_one(
     assert other.run("reverse", tree).returncode == 0 and digest(tree) == before
 
 
+def test_a_stale_record_is_resolved_from_the_pristine_hashes_it_holds(fake, tmp_path):
+    """Applied, then the series loses its last patch (the only one to change cache.py) and every file
+    gets SGLang's bytes back with the record left (pip install --force-reinstall): the record vouches
+    for no file, so the tree reads as what it holds, pristine, and apply and reverse go through."""
+    tree = fake.tree(tmp_path / "tree")
+    before = digest(tree)
+    assert fake.run("apply", tree).returncode == 0
+    for rel in fake.files:
+        (package(tree, "installed") / rel).unlink()  # a reinstall writes new files
+        shutil.copy2(fake.pristine / rel, package(tree, "installed") / rel)
+    other = synthetic(tmp_path / "other", FAKE_PATCHES[:-1])
+    status = other.run("status", tree)
+    assert status.returncode == 3 and first_line(status).endswith("series pristine"), (status.stdout, status.stderr)
+    assert [line.split("]")[0] + "]" for line in status.stdout.splitlines()[1:]] == ["  [ ]"] * len(other.patches)
+    reversed_ = other.run("reverse", shutil.copytree(tree, tmp_path / "reversed"))
+    assert reversed_.returncode == 0 and digest(tmp_path / "reversed") == before, reversed_.stderr
+    applied = other.run("apply", tree)
+    assert applied.returncode == 0, applied.stderr
+    expected = fake.tree(tmp_path / "expected")
+    git_apply(expected, "installed", other.patches)
+    assert digest(tree, record=False) == digest(expected)
+    assert other.run("reverse", tree).returncode == 0 and digest(tree) == before
+
+
 def test_files_a_patch_tool_left_are_named_and_kept(fake, tmp_path):
     tree = fake.tree(tmp_path / "tree")
     target = package(tree, "installed") / fake.files[0]
@@ -216,6 +240,47 @@ def test_bad_paths_get_one_line(fake, tmp_path, bad):
         proc = fake.run(verb, path)
         assert proc.returncode == 1 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1
         assert expected in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script", ["apply", "reverse", "status", "install-into-python", "check", "import-patches",
+                                    "export-patches", "build-pristine", "fetch-wheel"])
+def test_a_usage_error_is_one_line_and_exit_1(fake, tmp_path, script):
+    """An unknown option (or a verb without its tree): one 'error:' line, exit 1 as any other error,
+    not argparse's two lines and exit 2, which the scripts' exit codes do not have."""
+    for args in (["--no-such-option", tmp_path], [] if script in ("apply", "reverse", "status") else None):
+        if args is not None:
+            proc = fake.run(script, *args)
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (args, proc.stderr)
+            assert proc.stderr.startswith("error: "), proc.stderr
+    assert fake.run(script, "--help").returncode == 0
+
+
+def test_a_tree_path_that_is_not_utf_8_is_printed_under_a_strict_stdout(fake, tmp_path):
+    """A folder name that is not UTF-8 (Python holds it with surrogates) and PYTHONIOENCODING=utf-8
+    (strict): each verb does its work and says so, no traceback."""
+    tree = fake.tree(tmp_path / os.fsdecode(b"tree-\xff"))
+    strict = {"PYTHONIOENCODING": "utf-8"}
+    for verb, code in (("apply", 0), ("status", 0), ("reverse", 0), ("status", 3)):
+        proc = fake.run(verb, tree, env=strict)
+        assert proc.returncode == code and "Traceback" not in proc.stderr, (verb, proc.stderr)
+        assert "tree-" in proc.stdout
+    assert digest(tree) == digest(fake.tree(tmp_path / "pristine"))
+
+
+def test_a_record_written_under_umask_077_is_as_readable_as_the_tree(fake, tmp_path):
+    """Another user who can read the tree (a shared site-packages) can read the record apply kept,
+    whatever the umask of the user who applied: its folders and files grant the package folder's read
+    permissions."""
+    tree = fake.tree(tmp_path / "tree")
+    pkg = package(tree, "installed")
+    pkg.chmod(0o755)
+    proc = subprocess.run([sys.executable, str(fake.root / "scripts" / "apply"), str(tree)], capture_output=True,
+                          text=True, preexec_fn=lambda: os.umask(0o077))
+    assert proc.returncode == 0, proc.stderr
+    record = [pkg / RECORD, *sorted((pkg / RECORD).rglob("*"))]
+    assert len(record) > 2
+    for path in record:
+        assert path.stat().st_mode & 0o555 == (0o555 if path.is_dir() else 0o444), path
 
 
 def test_the_package_folder_itself_is_a_target_and_two_packages_are_refused(fake, tmp_path):
@@ -280,24 +345,59 @@ def test_modes_are_kept(fake, tmp_path):
         assert {p: p.stat().st_mode for p in files} == modes, verb
 
 
-@pytest.mark.parametrize("checkout", [True, False])
-def test_an_edited_series_is_refused_and_named(fake, tmp_path, checkout):
-    """A patch dropped or two swapped: the index lines no longer follow each other. In a git
-    checkout of the project, the message says patches/series differs from the committed one;
-    outside one (the image), there is nothing to compare with and it says nothing of it."""
-    if checkout:
-        git(fake.root, "init", "-q")
-        git(fake.root, "add", "-A")
-        git(fake.root, "commit", "-qm", "x")
+EDITS = {  # patches/series edited by hand: (the names it lists, the patch the refusal must name)
+    "last line dropped": (lambda n: n[:-1], -1), "middle line dropped": (lambda n: n[:1] + n[2:], 1),
+    "two swapped": (lambda n: [n[1], n[0], *n[2:]], 1), "emptied": (lambda n: [], 0),
+    "a line twice": (lambda n: n + n[-1:], -1), "a file it does not hold": (lambda n: n + ["0004-extra.patch"], None),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edited_series_is_refused_and_named_with_or_without_git(fake, tmp_path, edit):
+    """patches/series is checked against the patch files it comes with (export-patches numbers them in
+    order): any edit is refused before anything is read, the patch named, the same in a git checkout of
+    the project and outside one (the image has no git history)."""
     tree = fake.tree(tmp_path / "tree")
-    before, names = digest(tree), [p.name for p in fake.patches]
-    for edited in ([names[0], names[2]], [names[0], names[2], names[1]]):  # all three change one file
-        (fake.root / "patches" / "series").write_text("\n".join(edited) + "\n")
-        for verb in ("apply", "status"):
+    before, names, series = digest(tree), [p.name for p in fake.patches], (fake.root / "patches" / "series").read_text()
+    how, named = EDITS[edit]
+    said = {}
+    for checkout in (False, True):
+        if checkout:  # the series as exported committed, then edited
+            (fake.root / "patches" / "series").write_text(series)
+            git(fake.root, "init", "-q")
+            git(fake.root, "add", "-A")
+            git(fake.root, "commit", "-qm", "x")
+        (fake.root / "patches" / "series").write_text("".join(f"{n}\n" for n in how(names)))
+        for verb in ("apply", "status", "reverse"):
             proc = fake.run(verb, tree)
-            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-            assert "a patch is missing, added or out of order" in proc.stderr
-            assert ("patches/series differs from the committed one" in proc.stderr) == checkout
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (verb, proc.stdout, proc.stderr)
+            assert "patches/series" in proc.stderr and (names[named] if named is not None else "0004-extra") \
+                in proc.stderr, proc.stderr
+            said.setdefault(verb, set()).add(proc.stderr)
+    assert all(len(messages) == 1 for messages in said.values()), said  # git or not: the same refusal
+    assert digest(tree) == before
+
+
+def test_a_dropped_patch_that_a_later_one_builds_on_is_named_not_blamed_on_sglangs_file(tmp_path):
+    """Patch 2 is the first to change copy.cuh and patch 3 changes its change: without patch 2 (its
+    line, or its file and line) the series' first change to copy.cuh is not to SGLang's bytes. The
+    refusal names the series' fault (patch 2 not listed, patch 3 listed second), not SGLang's file
+    (which is its own) nor a reinstall."""
+    edits = [("pool: one", {"srt/pool.py": [("return 1\n", "return 2 * 1\n")]}),
+             ("kernels: first", {"srt/kernels/copy.cuh": [("x + 3;", "x + 3 + 1;")]}),
+             ("kernels: builds on the first", {"srt/kernels/copy.cuh": [("x + 3 + 1;", "x + 3 + 2;")]})]
+    fake = synthetic(tmp_path / "series", edits)
+    tree = fake.tree(tmp_path / "tree")
+    before, patches = digest(tree), fake.patches
+    for removed in ("line", "file"):
+        (fake.root / "patches" / "series").write_text(f"{patches[0].name}\n{patches[2].name}\n")
+        if removed == "file":
+            patches[1].unlink()
+        for verb in ("apply", "status", "reverse"):
+            proc = fake.run(verb, tree)
+            assert proc.returncode == 1 and (patches[1] if removed == "line" else patches[2]).name in proc.stderr, \
+                (removed, verb, proc.stderr)
+            assert "copy.cuh" not in proc.stderr and "force-reinstall" not in proc.stderr, proc.stderr
     assert digest(tree) == before
 
 

@@ -556,10 +556,10 @@ class TestMambaHostPoolPerLayerDeviceState(_MambaHostPoolCase):
 
     def test_layers_allocated_apart_round_trip(self):
         for name, (temporal, conv) in (
-            ("packed slots", self._layers_apart()),
-            ("strided slots", [list(states) for states in _mamba_cells()]),
+            ("packed", self._layers_apart()),
+            ("strided", [list(states) for states in _mamba_cells()]),
         ):
-            with self.subTest(name):
+            with self.subTest(slots=name):
                 device_pool = _per_layer_device_pool(temporal, conv)
                 host = self._host(device_pool)
                 self.assertEqual(tuple(host.temporal_state_shape), TEMPORAL_SHAPE)

@@ -85,14 +85,14 @@ class _StagedWriteBackKernel:
         page_size,
         stride=None,
     ):
-        stride = stride or self.element_size
+        stride = self.element_size if stride is None else stride
         self._write_back(k_dst, idx, k_stg, pages, k_src, page_size, stride)
         self._write_back(v_dst, idx, v_stg, pages, v_src, page_size, stride)
 
     def launch_all_mla_lf_pf_staged(
         self, dst, idx, staging, pages, ptr_src, page_size, stride=None
     ):
-        stride = stride or self.element_size
+        stride = self.element_size if stride is None else stride
         self._write_back(dst, idx, staging, pages, ptr_src, page_size, stride)
 
 

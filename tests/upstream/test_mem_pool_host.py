@@ -122,7 +122,7 @@ class _HiCacheKernels:
         stride=None,
     ):
         self.launches.append("staged")
-        stride = stride or self.element_size
+        stride = self.element_size if stride is None else stride
         self._staged(k_dst, idx_dst, k_stg, pages, k_src, page_size, stride)
         self._staged(v_dst, idx_dst, v_stg, pages, v_src, page_size, stride)
 
@@ -130,7 +130,7 @@ class _HiCacheKernels:
         self, dst, idx_dst, staging, pages, ptr_src, page_size, stride=None
     ):
         self.launches.append("staged")
-        stride = stride or self.element_size
+        stride = self.element_size if stride is None else stride
         self._staged(dst, idx_dst, staging, pages, ptr_src, page_size, stride)
 
 
@@ -383,10 +383,11 @@ class _MambaTransferKernels:
         self.memory = memory
 
     def _slots(self, address, stride_bytes, item_size, indices):
+        # Without a device slot stride, the kernels step slots by item_size.
+        stride_bytes = item_size if stride_bytes is None else stride_bytes
         count = int(indices.max()) + 1
         return self.memory.rows(address, stride_bytes, item_size, count)
 
-    # Without a device slot stride, the kernels step device slots by item_size.
     def transfer_kv_mamba_lf_pf(
         self,
         src_ptrs,
@@ -399,15 +400,17 @@ class _MambaTransferKernels:
         stride=None,
     ):
         host = dst.reshape(dst.shape[0], -1).view(torch.uint8)
+        assert host.shape[1] == layout_dim
         for layer, address in enumerate(src_ptrs.tolist()):
-            slots = self._slots(address, stride or item_size, item_size, src_idx)
+            slots = self._slots(address, stride, item_size, src_idx)
             host[dst_idx, layer * item_size : (layer + 1) * item_size] = slots[src_idx]
 
     def transfer_kv_mamba_pf_lf(
         self, src, dst, src_idx, dst_idx, layer, item_size, layout_dim, stride=None
     ):
         host = src.reshape(src.shape[0], -1).view(torch.uint8)
-        slots = self._slots(dst.data_ptr(), stride or item_size, item_size, dst_idx)
+        assert host.shape[1] == layout_dim
+        slots = self._slots(dst.data_ptr(), stride, item_size, dst_idx)
         slots[dst_idx] = host[src_idx, layer * item_size : (layer + 1) * item_size]
 
 

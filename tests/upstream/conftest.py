@@ -4,6 +4,7 @@ sglang.test.test_utils, where CustomTestCase lives, imports SGLang's benchmark c
 whose MMMU dataset imports Hugging Face `datasets` at import time. These tests use none
 of it, and the CPU tier does not install `datasets`: a stand-in module is put in its
 place when the package is missing (SGLang's CI has the real one)."""
+
 import importlib.util
 import sys
 import types
@@ -12,7 +13,9 @@ if importlib.util.find_spec("datasets") is None:
     stand_in = types.ModuleType("datasets")
 
     def load_dataset(*args, **kwargs):
-        raise RuntimeError("datasets is a stand-in in this test tier (tests/upstream/conftest.py)")
+        raise RuntimeError(
+            "datasets is a stand-in in this test tier (tests/upstream/conftest.py)"
+        )
 
     stand_in.load_dataset = load_dataset
     sys.modules["datasets"] = stand_in
@@ -26,4 +29,5 @@ def pytest_configure(config):
     if importlib.util.find_spec("sglang.test") is None:
         raise pytest.UsageError(
             "tests/upstream needs sglang.test (CustomTestCase, the CI registry), which the SGLang on "
-            "PYTHONPATH lacks: use a tree that ships sglang/test, as PyPI's wheel does")
+            "PYTHONPATH lacks: use a tree that ships sglang/test, as PyPI's wheel does"
+        )

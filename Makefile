@@ -5,7 +5,6 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 PATCHED := build/sglang-patched
-SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
 # SGLang's pinned release: SGLANG_VERSION, SGLANG_COMMIT, SGLANG_IMAGE, SGLANG_IMAGE_DIGEST.
 ifeq ($(wildcard sglang.pin),)
@@ -50,17 +49,25 @@ import-check:
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
 	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
 
-# FORCE=1 (only 1) passes --force; SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
+# Your SGLang: apply-patches, unapply-patches and status act only on the tree SGLANG_DIR names
+# (a checkout, or the folder holding an installed sglang/), and refuse without it (`make`
+# patches its own copy, build/sglang-patched). FORCE=1 (only 1) passes --force;
+# SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
 FORCE_FLAG = $(if $(filter 1,$(FORCE)),--force)
+NEED_SGLANG_DIR = $(if $(SGLANG_DIR),,$(error make $@ acts on your SGLang: name it, make $@ \
+  SGLANG_DIR=/path/to/sglang (a checkout, or the folder holding an installed sglang/)))
 apply-patches:
+	$(NEED_SGLANG_DIR)
 	@SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 unapply-patches:
+	$(NEED_SGLANG_DIR)
 	@SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 # Prints the tree's state and succeeds whatever the state is (scripts/status exits 3 for a
 # tree without the whole series; a script that needs that exit code runs scripts/status).
 status:
+	$(NEED_SGLANG_DIR)
 	@scripts/status "$(SGLANG_DIR)" || [ $$? -eq 3 ]
 
 # Lint, exactness in both layouts, the export round trip and SGLang's formatters.

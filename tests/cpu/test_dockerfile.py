@@ -254,7 +254,9 @@ def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_
 
 
 PLANTED = """\
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,6 +270,15 @@ def test_reads_the_readme():
 
 def test_a_program_it_starts_reads_the_readme():
     subprocess.run(["cat", "README.md"], cwd=ROOT, check=True, capture_output=True)
+
+
+def test_pythonpath_decides_which_sglang_imports(tmp_path):
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    code = "import importlib.util; print(importlib.util.find_spec('sglang.test'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path))).stdout
+    assert out.strip() == "None"
 
 
 @pytest.mark.project_files
@@ -285,12 +296,23 @@ def test_left_to_the_checkout_part_too():
 """
 
 
+# The planted project's install step (the real one has its own tests: test_install_into_python.py).
+PLANTED_INSTALL = "import sglang, sys\nprint('sglang imports from', sglang.__file__)\nsys.exit({status})\n"
+
+
 def planted_project(root: Path) -> Path:
-    """A project whose image copies tests/ and sglang.pin, and whose tests read its README
-    (in the build context, not copied)."""
+    """A project whose image copies tests/, scripts/ and sglang.pin, and whose tests read
+    its README (in the build context, not copied); beside it, its pristine SGLang (a
+    package with sglang.test)."""
     (root / "tests" / "cpu").mkdir(parents=True)
-    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY tests/ tests/\nRUN true\n")
-    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n!README.md\n")
+    (root / "scripts").mkdir()
+    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY scripts/ scripts/\n"
+                                     "COPY tests/ tests/\nRUN true\n")
+    (root / ".dockerignore").write_text("*\n!sglang.pin\n!scripts/\n!tests/\n!README.md\n")
+    (root / "scripts" / "install-into-python").write_text(PLANTED_INSTALL.format(status=0))
+    (root.parent / "pristine" / "sglang" / "test").mkdir(parents=True)
+    (root.parent / "pristine" / "sglang" / "__init__.py").write_text("")
+    (root.parent / "pristine" / "sglang" / "test" / "__init__.py").write_text("")
     (root / "README.md").write_text("readme\n")
     (root / "sglang.pin").write_text("pin\n")
     (root / "tests" / "__init__.py").write_text("")
@@ -308,36 +330,44 @@ def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
     code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
             "sys.exit(t.main(sys.argv[2:], Path(sys.argv[1])))")
     return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), PRISTINE_SGLANG=str(root.parent / "pristine")))
 
 
-def test_a_test_that_reads_a_file_the_image_lacks_fails_in_the_image_part(tmp_path):
-    """The class of defect a real build found twice (bench/ not copied; README.md and
-    docs/runs read by tests the image runs): the image part of `make test` fails such a
-    test, whether the test reads the file or a program it starts does; a test marked
-    project_files is left to the checkout part; the same tests pass in the checkout."""
+def test_what_fails_in_the_image_fails_in_the_image_part(tmp_path):
+    """The classes of defect real builds found (bench/ not copied; README.md and docs/runs
+    read by tests the image runs; a test that relied on PYTHONPATH choosing the SGLang it
+    imports, where the image's SGLang imports through setuptools' import finder): the
+    image part of `make test` fails such a test, whether the test reads the file or a
+    program it starts does; a test marked project_files is left to the checkout part; the
+    same tests pass in the checkout. A failing install step fails the part."""
     root = planted_project(tmp_path / "project")
     in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
                                  cwd=root, capture_output=True, text=True)
-    assert in_checkout.returncode == 0 and "5 passed" in in_checkout.stdout, in_checkout.stdout
+    assert in_checkout.returncode == 0 and "6 passed" in in_checkout.stdout, in_checkout.stdout
     proc = run_tier(root, "--image-part", "-q")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "2 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
+    assert "3 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
     failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED"))
-    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_reads_the_readme"]
+    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_pythonpath_decides_which_sglang_imports",
+                      "test_reads_the_readme"]
     assert "FileNotFoundError" in proc.stdout and "README.md" in proc.stdout
-    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/tests/cpu/test_planted.py"))  # the copy is gone
-    # Marked project_files, the two run in the checkout part: every test once, all pass.
+    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/opt/tests/cpu/test_planted.py"))  # the copy is gone
+    # Marked project_files, the three run in the checkout part: every test once, all pass.
     planted = root / "tests" / "cpu" / "test_planted.py"
-    planted.write_text(PLANTED.replace("\ndef test_reads_the_readme():", "\n@pytest.mark.project_files\ndef test_reads_the_readme():")
-                       .replace("\ndef test_a_program", "\n@pytest.mark.project_files\ndef test_a_program"))
+    marked = PLANTED
+    for name in ("test_reads_the_readme():", "test_a_program", "test_pythonpath"):
+        marked = marked.replace(f"\ndef {name}", f"\n@pytest.mark.project_files\ndef {name}")
+    planted.write_text(marked)
     both = run_tier(root, "-q")
     assert both.returncode == 0, both.stdout + both.stderr
     image_part, rest = both.stdout.split("== the rest", 1)
-    assert "1 passed, 4 deselected" in image_part and "4 passed, 1 deselected" in rest, both.stdout
+    assert "1 passed, 5 deselected" in image_part and "5 passed, 1 deselected" in rest, both.stdout
     # Tests named: each part runs those of its own; a part left with none is no failure.
     named = run_tier(root, "-q", "tests/cpu/test_planted.py::test_reads_the_readme")
     assert named.returncode == 0 and "1 deselected" in named.stdout and "1 passed" in named.stdout, named.stdout
+    (root / "scripts" / "install-into-python").write_text(PLANTED_INSTALL.format(status=1))
+    failed_step = run_tier(root, "--image-part", "-q")
+    assert failed_step.returncode != 0 and " passed" not in failed_step.stdout, failed_step.stdout
 
 
 def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):

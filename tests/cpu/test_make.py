@@ -304,9 +304,6 @@ def test_the_mooncake_tests_skip_with_a_reason_or_fail_where_required(monkeypatc
     monkeypatch.setenv(l3.REQUIRE_ENV, "1")
     with pytest.raises(pytest.fail.Exception, match="requires the Mooncake tests to run"):
         l3.require_mooncake()
-    recipe = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
-    assert " -rs " in recipe and "libibverbs.so.1" in recipe  # the reason reaches the summary
-    assert "SGLANG_TEST_REQUIRE_MOONCAKE=1 make test" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_build_outputs_are_ignored():

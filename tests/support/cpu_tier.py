@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shlex
 import shutil
 import site
 import subprocess
@@ -37,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.build_context import context_files, instructions
+from tests.support.build_context import context_files, copies
 
 ROOT = Path(__file__).resolve().parents[2]
 # What scripts/install-into-python runs inside the image (its --basetemp aside);
@@ -60,15 +59,13 @@ def lay_out(into: Path, root: Path = ROOT) -> list[str]:
     must copy a context path to the same path under WORKDIR."""
     files = sorted(context_files(root))
     copied = []
-    for keyword, args in instructions((root / "Dockerfile").read_text()):
-        words = shlex.split(args) if keyword in ("COPY", "ADD") else []
-        same_place = len(words) == 2 and not words[0].startswith("--") and (
+    for copy in copies((root / "Dockerfile").read_text(), context_only=False):
+        words = copy.value
+        same_place = len(words) == 2 and not copy.flags and (
             words[1] == words[0] or (words[1] == "./" and "/" not in words[0].rstrip("/")))
-        if keyword == "ADD" or (words and not same_place):
-            raise LayoutError(f"{keyword} {args}: not laid out by this copy (only COPY PATH PATH, or a top-level "
+        if copy.cmd == "ADD" or not same_place:
+            raise LayoutError(f"{copy.original}: not laid out by this copy (only COPY PATH PATH, or a top-level "
                               "PATH to ./)")
-        if not words:
-            continue
         src = words[0].rstrip("/")
         for rel in files:
             if rel == src or rel.startswith(src + "/"):

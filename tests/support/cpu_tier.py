@@ -36,8 +36,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.build_context import context_files, copies
-
 ROOT = Path(__file__).resolve().parents[2]
 # What scripts/install-into-python runs inside the image (its --basetemp aside);
 # tests/cpu/test_install_into_python.py checks that the two agree.
@@ -57,6 +55,9 @@ def lay_out(into: Path, root: Path = ROOT) -> list[str]:
     """Fill ``into`` as the Dockerfile's COPY lines fill the image's WORKDIR from the
     build context of ``root``; returns the files copied (relative paths). Each COPY
     must copy a context path to the same path under WORKDIR."""
+    # Here, not at the top: the image's tier imports this module (IMAGE_TIER) without docker's packages.
+    from tests.support.build_context import context_files, copies
+
     files = sorted(context_files(root))
     copied = []
     for copy in copies((root / "Dockerfile").read_text(), context_only=False):

@@ -35,13 +35,15 @@ def expand_braces(word: str) -> list[str]:
             for w in expand_braces(word[:match.start()] + part + word[match.end():])]
 
 
-def in_commit(path: str, commit: str) -> bool:
+def in_commit(root: Path, path: str, commit: str) -> bool:
     def git(*args: str) -> bool:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True).returncode == 0
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True).returncode == 0
     return not git("cat-file", "-e", f"{commit}^{{commit}}") or git("cat-file", "-e", f"{commit}:{path}")
 
 
-def missing(document: Path, names: set[str]) -> list[str]:
+def missing(document: Path, root: Path = ROOT) -> list[str]:
+    """One line per path ``document`` names that ``root`` lacks."""
+    names = {p.name for p in root.iterdir() if p.name not in NOT_IN_THE_TREE}
     text = re.sub(r"(?ms)^\s*```.*?^\s*```", lambda m: "\n" * m.group(0).count("\n"), document.read_text())
     out = []
     for span in re.finditer(r"`([^`]+)`", text):
@@ -53,20 +55,19 @@ def missing(document: Path, names: set[str]) -> list[str]:
             line = text.count("\n", 0, span.start()) + 1
             at = AT_COMMIT.match(text[span.end():])
             if at and len(words) == 1:
-                if not in_commit(word, at.group(1)):
-                    out.append(f"{document.relative_to(ROOT)}:{line}: {word} is not in commit {at.group(1)}")
+                if not in_commit(root, word, at.group(1)):
+                    out.append(f"{document.relative_to(root)}:{line}: {word} is not in commit {at.group(1)}")
                 continue
             for one in expand_braces(word):
-                if not (glob.glob(str(ROOT / one)) if "*" in one else (ROOT / one).exists()):
-                    out.append(f"{document.relative_to(ROOT)}:{line}: {one} does not exist")
+                if not (glob.glob(str(root / one)) if "*" in one else (root / one).exists()):
+                    out.append(f"{document.relative_to(root)}:{line}: {one} does not exist")
     return out
 
 
 def main(argv: list[str]) -> int:
-    names = {p.name for p in ROOT.iterdir() if p.name not in NOT_IN_THE_TREE}
     files = argv or subprocess.run(["git", "-C", str(ROOT), "ls-files", "*.md", ":!:patches/*"], capture_output=True,
                                    text=True, check=True).stdout.split()
-    problems = [line for name in files for line in missing((ROOT / name).resolve(), names)]
+    problems = [line for name in files for line in missing((ROOT / name).resolve())]
     print("\n".join(problems) or f"{len(files)} Markdown files: every path named exists")
     return 1 if problems else 0
 

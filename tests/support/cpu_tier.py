@@ -21,8 +21,8 @@ the SGLang it imports, fails in `make test` as it would in `make image`. `--imag
 runs part 1 only; test files or ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y)
 narrow either part to them.
 
-The SGLang trees are the caller's: PYTHONPATH (less this checkout) and PRISTINE_SGLANG,
-as `make test` sets them. The wheel scripts/fetch-wheel keeps in build/cache is shared
+The SGLang trees are the caller's, as `make test` sets them: PRISTINE_SGLANG (part 1
+installs a copy of it; tests compare against it) and PYTHONPATH (part 2). The wheel scripts/fetch-wheel keeps in build/cache is shared
 with the checkout, so that it is downloaded once.
 """
 from __future__ import annotations
@@ -92,7 +92,9 @@ def image_python(into: Path, pristine: Path) -> Path:
                    if "=" in line and not line.startswith("#"))["SGLANG_VERSION"]
     (project / "pyproject.toml").write_text(base_wheels.pyproject(f"Name: sglang\nVersion: {version}\n"))
     env = into / "python"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise LayoutError(f"{sys.executable} -m venv {env} failed: {made.stderr.strip()}")
     python = env / "bin" / "python"
     site_packages = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         capture_output=True, text=True, check=True).stdout.strip())

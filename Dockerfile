@@ -1,11 +1,11 @@
 # syntax=docker/dockerfile:1
-# SGLang 0.5.20 (the official CUDA 13 image, pinned by digest) with kvcached 0.1.6 and the
-# elastic-HiCache patch series applied to the SGLang the image's Python imports.
+# SGLang 0.5.20 (the official CUDA 13 image, v0.5.20-cu130 by digest) with kvcached 0.1.6
+# and the elastic-HiCache patch series applied to the SGLang the image's Python imports.
 # Build: `make image` (no GPU needed; docker or podman), which passes sglang.pin's values
 # as the build arguments below (their defaults equal sglang.pin; the CPU tier checks it).
 # BASE_IMAGE (make's IMAGE_BASE) replaces the official image, e.g. with the stand-in that
 # ci/image/make-base.sh builds (docs/image.md). Run: see README.md ("docker run").
-ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.20-cu130
+ARG SGLANG_IMAGE=docker.io/lmsysorg/sglang
 ARG SGLANG_IMAGE_DIGEST=sha256:06e4f2ed21afde4ff513cda65070124e727ba23ccaeff7712b8c40e1097d611f
 ARG BASE_IMAGE=${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}
 ARG BASE_IMAGE_DIGEST=${SGLANG_IMAGE_DIGEST}

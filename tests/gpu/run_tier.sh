@@ -5,7 +5,7 @@
 # build/gpu-results.jsonl), summarised by hand in docs/gpu-results.md.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 export GPU_RESULTS=${GPU_RESULTS:-$root/build/gpu-results.jsonl}
 mkdir -p "$(dirname "$GPU_RESULTS")"
 status=0
@@ -18,6 +18,8 @@ fi
 # default 2 MiB pages.
 # GPU_LAYOUTS, GPU_PARTS (kv, mamba) and GPU_TESTS (test files, default all of tests/gpu)
 # narrow a run.
+# GPU_TESTS is split at spaces and globbed (tests/gpu/test_*.py): unquoted on purpose.
+# shellcheck disable=SC2086
 for contiguous in ${GPU_LAYOUTS:-true false}; do
   echo "== kvcached KVCACHED_CONTIGUOUS_LAYOUT=$contiguous"
   if [[ " ${GPU_PARTS:-kv mamba} " == *" kv "* ]]; then

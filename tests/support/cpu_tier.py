@@ -1,5 +1,5 @@
 """The CPU tier (`make test`) in two parts that together run every test once, the first
-where the image's build runs it:
+where and as the image's build runs it:
 
     python -m tests.support.cpu_tier [--image-part] [PYTEST_ARGS...]
 
@@ -7,31 +7,34 @@ where the image's build runs it:
    selection of scripts/install-into-python --run-cpu-tier), in a copy of the image's
    project folder: the Dockerfile's COPY lines filled from the build context that
    .dockerignore leaves (tests/support/build_context.py), in a temporary folder outside
-   any git checkout, as /opt/elastic-hicache is in the image;
+   any git checkout, as /opt/elastic-hicache is in the image; against SGLang installed
+   as the image's base installs it: a copy of the pristine tree (PRISTINE_SGLANG),
+   installed editable by pip, so that it imports through setuptools' import finder (a
+   .pth in site-packages), not PYTHONPATH, and patched there by the image's install step
+   (scripts/install-into-python, run from the copy, as the Dockerfile runs it);
 2. the rest (`project_files`, `l3_store`: checks of this project's own files, the
-   Mooncake tests), in the checkout.
+   Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH.
 
 So a test that reads a file the image lacks (README.md, docs/, the Makefile, git
-history) without being marked `project_files` fails in `make test`, as it would in
-`make image`, whichever process reads it (the test's own, or a script, git or make
-that it starts): the file is not there. `--image-part` runs part 1 only; test files or
-ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y) narrow either part to them.
+history) without being marked `project_files`, or that relies on PYTHONPATH choosing
+the SGLang it imports, fails in `make test` as it would in `make image`. `--image-part`
+runs part 1 only; test files or ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y)
+narrow either part to them.
 
-The SGLang trees are the caller's: PYTHONPATH (less this checkout) and PRISTINE_SGLANG,
-as `make test` sets them. The wheel scripts/fetch-wheel keeps in build/cache is shared
+The SGLang trees are the caller's, as `make test` sets them: PRISTINE_SGLANG (part 1
+installs a copy of it; tests compare against it) and PYTHONPATH (part 2). The wheel scripts/fetch-wheel keeps in build/cache is shared
 with the checkout, so that it is downloaded once.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
-import shlex
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from tests.support.build_context import context_files, instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 # What scripts/install-into-python runs inside the image (its --basetemp aside);
@@ -52,17 +55,18 @@ def lay_out(into: Path, root: Path = ROOT) -> list[str]:
     """Fill ``into`` as the Dockerfile's COPY lines fill the image's WORKDIR from the
     build context of ``root``; returns the files copied (relative paths). Each COPY
     must copy a context path to the same path under WORKDIR."""
+    # Here, not at the top: the image's tier imports this module (IMAGE_TIER) without docker's packages.
+    from tests.support.build_context import context_files, copies
+
     files = sorted(context_files(root))
     copied = []
-    for keyword, args in instructions((root / "Dockerfile").read_text()):
-        words = shlex.split(args) if keyword in ("COPY", "ADD") else []
-        same_place = len(words) == 2 and not words[0].startswith("--") and (
+    for copy in copies((root / "Dockerfile").read_text(), context_only=False):
+        words = copy.value
+        same_place = len(words) == 2 and not copy.flags and (
             words[1] == words[0] or (words[1] == "./" and "/" not in words[0].rstrip("/")))
-        if keyword == "ADD" or (words and not same_place):
-            raise LayoutError(f"{keyword} {args}: not laid out by this copy (only COPY PATH PATH, or a top-level "
+        if copy.cmd == "ADD" or not same_place:
+            raise LayoutError(f"{copy.original}: not laid out by this copy (only COPY PATH PATH, or a top-level "
                               "PATH to ./)")
-        if not words:
-            continue
         src = words[0].rstrip("/")
         for rel in files:
             if rel == src or rel.startswith(src + "/"):
@@ -73,18 +77,45 @@ def lay_out(into: Path, root: Path = ROOT) -> list[str]:
     return copied
 
 
-def tier_env(work: Path, root: Path = ROOT) -> dict[str, str]:
-    """The caller's environment with ``root`` (and this checkout) off PYTHONPATH and ``work`` first on it
-    (as scripts/install-into-python puts the image's project folder first); relative
-    paths made absolute, since the tier runs in ``work``."""
-    env = dict(os.environ)
-    checkouts = {root.resolve(), ROOT}
-    others = [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep)
-              if p and Path(p).resolve() not in checkouts]
-    env["PYTHONPATH"] = os.pathsep.join([str(work), *others])
-    if env.get("PRISTINE_SGLANG"):
-        env["PRISTINE_SGLANG"] = str(Path(env["PRISTINE_SGLANG"]).resolve())
-    return env
+def image_python(into: Path, pristine: Path) -> Path:
+    """A Python whose SGLang is a copy of ``pristine`` (a folder holding sglang/) laid out as
+    the image's /sgl-workspace/sglang/python and installed as its base installs it: editable,
+    by pip and setuptools, with the pyproject.toml the stand-in base writes
+    (ci/image/base_wheels.py), which setuptools serves through its import finder. Its other
+    packages are the running interpreter's (its site-packages, added by a .pth)."""
+    project = into / "sgl-workspace" / "sglang" / "python"
+    shutil.copytree(pristine / "sglang", project / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    spec = importlib.util.spec_from_file_location("base_wheels", ROOT / "ci" / "image" / "base_wheels.py")
+    base_wheels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base_wheels)
+    version = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().splitlines()
+                   if "=" in line and not line.startswith("#"))["SGLANG_VERSION"]
+    (project / "pyproject.toml").write_text(base_wheels.pyproject(f"Name: sglang\nVersion: {version}\n"))
+    env = into / "python"
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise LayoutError(f"{sys.executable} -m venv {env} failed: {made.stderr.strip()}")
+    python = env / "bin" / "python"
+    site_packages = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        capture_output=True, text=True, check=True).stdout.strip())
+    (site_packages / "_caller_site.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
+    pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                          "-e", str(project)], capture_output=True, text=True)
+    if pip.returncode != 0:
+        raise LayoutError(f"pip could not install {project} editable (pip and setuptools come from this "
+                          f"interpreter):\n{pip.stdout}{pip.stderr}")
+    if not list(site_packages.glob("__editable___*_finder.py")):
+        raise LayoutError(f"setuptools installed {project} without its import finder: not as the image's base")
+    return python
+
+
+def image_env() -> dict[str, str]:
+    """The caller's environment as the image's build step has it: no PYTHONPATH (SGLang
+    imports through its install), kvcached off (ENABLE_KVCACHED=false, as the Dockerfile
+    runs the step)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return dict(env, ENABLE_KVCACHED="false")
 
 
 def _share(src: Path, dst: Path) -> None:
@@ -100,7 +131,8 @@ def _share(src: Path, dst: Path) -> None:
                 shutil.copy2(path, dst / path.name)
 
 
-def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | None = None) -> int:
+def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | None = None,
+           python: Path | str = sys.executable) -> int:
     """pytest over ``part`` (its -m selection and folders), or, where ``args`` name test files
     or ids (tests/cpu/test_x.py::test_y), over those of them in the part's folders."""
     folders = [a for a in part[2:] if not a.startswith("-")] if part[:1] == ["-m"] else part
@@ -113,26 +145,43 @@ def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | No
     if named and not mine:
         return NOTHING_RAN
     others = [a for a in args if a not in named]
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *others, *options,
+    return subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", *others, *options,
                            *(mine or folders)], cwd=cwd, env=env).returncode
 
 
 def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
-    """Part 1: lay out the image's folder in a temporary one, run the image's tests there
-    with ``pytest_args`` added, remove the folder; pytest's exit status."""
-    work = Path(tempfile.mkdtemp(prefix="image-tier-")).resolve()
+    """Part 1: lay out the image's folder in a temporary one, install SGLang as the image's
+    base does, run the image's install step and then its tests there with ``pytest_args``
+    added, remove the folder; pytest's exit status (or the install step's)."""
+    pristine = os.environ.get("PRISTINE_SGLANG")
+    if not pristine:
+        raise LayoutError("PRISTINE_SGLANG is not set: the image's part installs a copy of that pristine tree "
+                          "(make test sets it)")
+    pristine = Path(pristine).resolve()
+    base = Path(tempfile.mkdtemp(prefix="image-tier-")).resolve()
     try:
-        if work.is_relative_to(root.resolve()):
-            raise LayoutError(f"the temporary folder {work} is inside {root}: set TMPDIR to a folder outside it")
-        work.chmod(0o755)  # as the image's WORKDIR: other users' tests read it (mkdtemp: 0700)
+        if base.is_relative_to(root.resolve()):
+            raise LayoutError(f"the temporary folder {base} is inside {root}: set TMPDIR to a folder outside it")
+        base.chmod(0o755)  # as the image's folders: other users' tests read them (mkdtemp: 0700)
+        work = base / "opt"
+        work.mkdir(mode=0o755)
         lay_out(work, root)
         _share(root / CACHE, work / CACHE)
-        print(f"== the image's tests ({SELECTION}) in a copy of what the Dockerfile copies ({work})", flush=True)
-        status = pytest(pytest_args, IMAGE_TIER, work, tier_env(work, root))
+        print(f"== the image's tests ({SELECTION}) in a copy of what the Dockerfile copies ({work}), against "
+              "SGLang installed editable (setuptools' import finder) and patched by scripts/install-into-python",
+              flush=True)
+        python = image_python(base, pristine)
+        env = image_env()
+        step = subprocess.run([str(python), "scripts/install-into-python", "--python", str(python)], cwd=work, env=env)
+        if step.returncode != 0:
+            print("the image's install step failed (above)", file=sys.stderr)
+            return step.returncode
+        status = pytest(pytest_args, IMAGE_TIER, work, dict(env, PYTHONPATH=str(work), PRISTINE_SGLANG=str(pristine)),
+                        python)
         _share(work / CACHE, root / CACHE)
         return status
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def main(argv: list[str], root: Path = ROOT) -> int:

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """SGLang's own benchmark client against SGLang's server: kvcached vs native, HiCache on.
 
-    python3 bench/bench_server.py --pristine-path P --patched-path Q --out build/bench-server \\
+    python -m harness.bench_server --pristine-path P --patched-path Q --out build/bench-server \\
         [--shapes llama3-8b deepseek-v2-lite qwen3.5-4b] [--turns 1 4] [--rounds 3] [--server-flags "..."]
-    python3 bench/bench_server.py --render build/bench-server/report.json   (the markdown summary)
-    python3 bench/bench_server.py --plot build/bench-server/report.json OUT.png
+    python -m harness.bench_server --render build/bench-server/report.json   (the markdown summary)
+    python -m harness.bench_server --plot build/bench-server/report.json OUT.png
 
 Per shape (a model shape with dummy weights: its config and a word-level tokenizer are
 written under OUT/models), one server per variant, all started once, side by side on one
@@ -54,19 +53,14 @@ import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# the server tier's harness starts, probes and stops the servers and checks their answers,
-# here as in the comparison: one server module, which lives with the tests that own it
-sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
-import e2e_verdict as judge  # noqa: E402
-import servers  # noqa: E402
+from harness import project, servers
+from harness.compare import verdict as judge
 
-CLIENT_STANDIN = HERE.parent / "ci" / "rig" / "standin" / "bench_client"
+CLIENT_STANDIN = Path(__file__).resolve().parent / "rig" / "standin" / "bench_client"
 
 
 @dataclass(frozen=True)
@@ -114,7 +108,7 @@ _QWEN35_4B = {
 SHAPES = {s.name: s for s in (
     Shape("llama3-8b", "Llama-3-8B-shaped MHA: 32 layers, 8 KV heads x 128, bf16", _LLAMA3_8B),
     # page size 1: kvcached 0.1.6's elastic MLA allocator holds page_size times the tokens
-    # asked for (tests/e2e/e2e_matrix.py, _MLA), which would keep on the device what native evicts
+    # asked for (harness/compare/matrix.py, _MLA), which would keep on the device what native evicts
     Shape("deepseek-v2-lite", "DeepSeek-V2-Lite-shaped MLA: 27 layers, 512 + 64 bf16, dense MLPs",
           _DEEPSEEK_V2_LITE, page_size=1),
     # a Mamba cell (2 MiB SSM + 48 KiB conv per layer) is over kvcached's default 2 MiB page
@@ -488,7 +482,7 @@ class Bench:
                        "kvcached_max_cached_tokens": opts.kvcached_max_cached_tokens,
                        "server_flags": self.extra_flags, "env": self.extra_env, "gpu": opts.gpu,
                        "client": self.client},
-            "patches": servers.patches_state()["digest"], "shapes": {}, "problems": []}
+            "patches": project.patches_state()["digest"], "shapes": {}, "problems": []}
 
     def log(self, text: str) -> None:
         print(f"[{time.time() - self.started:6.0f} s] {text}", flush=True)
@@ -525,10 +519,8 @@ class Bench:
                 env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
             args = server_args(shape, v, model, port, sizes, fleet.ratio, o.mem_fraction_static, self.extra_flags)
             tree = o.pristine_path if v.tree == "pristine" else o.patched_path
-            process_env = servers.local_env(env, [str(Path(tree).resolve())],
-                                            [str(servers.STANDIN_SITE)] if deep_gemm else [], gpus=o.gpu)
-            fleet.members[name] = servers.Server(servers.launch_command("local", o.python, None, env, args, []), port,
-                                                 logs / f"{name}.log", env, process_env)
+            fleet.members[name] = servers.local_server(o.python, args, port, logs / f"{name}.log", env, tree,
+                                                       gpus=o.gpu, standin=deep_gemm)
         return fleet
 
     def launch(self, shape: Shape) -> ShapeServers:
@@ -543,15 +535,8 @@ class Bench:
         began = time.time()
         for server in fleet.members.values():
             server.log.write_text("")
-            server.start()
-            self.live.append(server)
-        why = {}
-        threads = [threading.Thread(target=lambda n=n, s=s: why.__setitem__(n, s.wait_ready(o.ready_timeout)))
-                   for n, s in fleet.members.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.live += fleet.members.values()
+        why = servers.start_all(fleet.members, o.ready_timeout)
         for name, server in fleet.members.items():
             scan = judge.scan_log(server.log_text())
             record["servers"][name].update(outcome=why[name] or "ready", start_s=round(time.time() - began, 1),
@@ -675,7 +660,7 @@ class Bench:
     def run(self) -> int:
         o = self.opts
         self.check_memory()
-        self.report["trees"] = servers.check_trees(o.pristine_path, o.patched_path)
+        self.report["trees"] = project.check_trees(o.pristine_path, o.patched_path)
         self.report["environment"] = servers.machine(o.python, o.patched_path)
         try:
             for name in o.shapes:
@@ -727,7 +712,7 @@ def options(argv=None):
                     help="KVCACHED_MAX_CACHED_TOKENS (-1: keep every cached prefix, as native does; kvcached's "
                          "default drops those beyond 16,000 tokens after each request)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--pristine-path", help="folder holding SGLang 0.5.20's sglang/ as released (tests/e2e/trees.sh)")
+    ap.add_argument("--pristine-path", help="folder holding SGLang 0.5.20's sglang/ as released (harness/trees.sh)")
     ap.add_argument("--patched-path", help="folder holding sglang/ with the series applied")
     ap.add_argument("--python", default=sys.executable, help="the servers' and the client's interpreter")
     ap.add_argument("--client-path", help="folder first on the client's PYTHONPATH (default: --pristine-path)")
@@ -761,14 +746,14 @@ def options(argv=None):
         ap.error("--mem-fraction-static must be between 0 and 1")
     if not (opts.pristine_path and opts.patched_path):
         ap.error("--pristine-path and --patched-path are needed: folders holding sglang/ "
-                 "(tests/e2e/trees.sh makes them)")
+                 "(harness/trees.sh makes them)")
     try:
         servers.parse_env(opts.env)
         servers.split_flags(opts.server_flags)
         servers.split_flags([opts.bench_client or ""], "--bench-client")
     except ValueError as exc:
         ap.error(str(exc))
-    if why := servers.make_out(opts.out, folder=True):
+    if why := project.make_out(opts.out, folder=True):
         ap.error(why)
     opts.client_path = opts.client_path or opts.pristine_path
     return opts

@@ -7,11 +7,11 @@ config.json, generation_config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json (with the GGUF's chat template). It needs only gguf, numpy, torch,
 safetensors and tokenizers, and no network.
 
-  checkpoint.py convert SRC --out DIR [--dtype bfloat16|float16|float32]
-  checkpoint.py split FILE --part-mib N [--out DIR]   (FILE.part1.. and FILE.manifest.json)
-  checkpoint.py join MANIFEST [--out FILE]            (every part's sha256 checked first)
-  checkpoint.py answer DIR [--question TEXT] [--max-new-tokens N]   (greedy, on the CPU)
-  checkpoint.py requests PROMPTS --tokenizer DIR --out FILE   (chat prompts -> text and token ids)
+  python -m harness.checkpoint convert SRC --out DIR [--dtype bfloat16|float16|float32]
+  python -m harness.checkpoint split FILE --part-mib N [--out DIR]   (FILE.part1.. and FILE.manifest.json)
+  python -m harness.checkpoint join MANIFEST [--out FILE]            (every part's sha256 checked first)
+  python -m harness.checkpoint answer DIR [--question TEXT] [--max-new-tokens N]   (greedy, on the CPU)
+  python -m harness.checkpoint requests PROMPTS --tokenizer DIR --out FILE   (chat prompts -> text and token ids)
 
 Weights are dequantized with `gguf.quants.dequantize` (gguf 0.19.0, as pinned in
 requirements/cpu.txt). llama.cpp's converter permutes the rows of every q and k
@@ -368,7 +368,7 @@ def convert(src: Path, out: Path, dtype: str = "bfloat16") -> dict:
 # --- prompts --------------------------------------------------------------------------
 
 def chat_requests(path: Path) -> list[dict]:
-    """The requests of a prompts file (tests/e2e/prompts/*.json: a shared `system` prompt and
+    """The requests of a prompts file (harness/compare/prompts/*.json: a shared `system` prompt and
     `groups` of a `passage` with its `questions`): one chat turn each, `id` "group/N"."""
     try:
         data = json.loads(path.read_text())

@@ -35,7 +35,7 @@ from pathlib import Path
 MASTER_START_S = 30
 MASTER_STOP_S = 10
 MASTER_START_TRIES = 3
-# the CPU tests' segment; a server's store must hold the whole L3 traffic (e2e_matrix)
+# the CPU tests' segment; a server's store must hold the whole L3 traffic (harness/compare/matrix.py)
 SEGMENT_BYTES = 64 << 20
 
 PACKAGE_PROBE = (

@@ -1,6 +1,6 @@
-"""Draw bench/transfer_bench.py's JSON: throughput against batch size, a line per variant.
+"""Draw harness/transfer_bench.py's JSON: throughput against batch size, a line per variant.
 
-    python bench/plot.py bench/results/2026-11-30-h200-all-parts/results.json bench/results/2026-11-30-h200-all-parts/results.png
+    python -m harness.plot build/bench/transfer.json build/bench/transfer.png
 
 One panel per (pool, direction, host layout); the pinned-copy bandwidth of the same run
 is the dashed line every panel is bounded by, and 95% of it the dotted grey line (the
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from transfer_bench import merge_rounds
+from harness.transfer_bench import merge_rounds
 
 LINK_TARGET = 0.95   # large transfers should reach this share of the pinned copy
 
@@ -57,7 +57,7 @@ def main(src, dst):
     try:
         import matplotlib
     except ImportError:
-        fail("bench/plot.py needs matplotlib (pip install -r requirements/bench.txt)")
+        fail("harness/plot.py needs matplotlib (pip install -r requirements/bench.txt)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

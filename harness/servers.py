@@ -1,4 +1,4 @@
-"""SGLang servers for the model-level harness: start, wait for, probe and stop them.
+"""SGLang servers: start, wait for, probe and stop them, alone or as a fleet.
 
 One `Server` is one `python -m sglang.launch_server` process group (it leads its own
 session, so a stop reaches every process it started: scheduler, detokenizer, TP ranks):
@@ -14,13 +14,15 @@ session, so a stop reaches every process it started: scheduler, detokenizer, TP 
   post()        a JSON request to it;
   stop()        SIGTERM to the group, SIGKILL after `grace` seconds; kill() SIGKILL at once;
                 either removes the container a docker server's killed client left.
+A fleet is a dict of servers, each with its own tree, flags, environment, GPUs and port:
+`local_server` builds one member (SGLang from a tree first on PYTHONPATH, more paths such
+as the weights plugin after it, the deep_gemm stand-in last where the interpreter lacks
+it); `start_all` starts every member and waits for all side by side; `stop_all` stops
+them side by side. The comparison, the soak and the server benchmark all launch so.
 The rest is what every launch needs: a block of free ports outside the kernel's ephemeral
-range, the launch command of the `local` (this host, a tree first on PYTHONPATH) and
-`docker` launchers, the process environment of a local server, whether a module it needs
-is missing (deep_gemm: the stand-in goes on its path), KEY=VALUE and --server-flags options,
---out checked and its folder made before any work, the state of a tree (scripts/status),
-the series digest, what ran (GPU, driver, the versions a tree imports), and the image
-names pinned in sglang.pin.
+range, the launch command of the `local` and `docker` launchers, the process environment of
+a local server, whether a module it needs is missing, KEY=VALUE and --server-flags options,
+and what ran (GPU, driver, the versions a tree imports).
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -41,43 +42,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-# an import-only deep_gemm (ci/rig/README.md), for servers whose environment lacks it
-STANDIN_SITE = ROOT / "ci" / "rig" / "standin" / "site"
+# an import-only deep_gemm (harness/rig/README.md), for servers whose environment lacks it
+STANDIN_SITE = HERE / "rig" / "standin" / "site"
 # what a request to a server that is starting, dying or gone raises
 UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
-
-
-def pinned(path: Path = ROOT / "sglang.pin") -> dict[str, str]:
-    """sglang.pin's KEY=value lines (the file the Makefile includes)."""
-    pin = {}
-    for line in path.read_text().splitlines():
-        key, sep, value = line.strip().partition("=")
-        if sep and not key.startswith("#"):
-            pin[key] = value
-    return pin
-
-
-def official_image(pin: dict[str, str] | None = None) -> str:
-    """SGLang's official image by digest, as `make e2e` and the Dockerfile take it."""
-    pin = pin or pinned()
-    return f"{pin['SGLANG_IMAGE']}@{pin['SGLANG_IMAGE_DIGEST']}"
-
-
-def project_image(pin: dict[str, str] | None = None) -> str:
-    """The tag `make image` gives this project's image."""
-    return f"sglang-elastic-hicache:{(pin or pinned())['SGLANG_VERSION']}"
-
-
-def patches_state(patches: Path = ROOT / "patches") -> dict:
-    """The series digest (scripts/_series.py's, which scripts/apply records in the tree) and
-    the sha256 of patches/series and of each patch it lists."""
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    import _series  # the series scripts' own reading of patches/ (imported here: it reads sglang.pin)
-    series = _series.Series(patches)
-    return {"digest": series.digest,
-            "files": {name: _series.sha((patches / name).read_bytes()) for name in ["series", *series.patches]}}
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -97,19 +65,6 @@ def split_flags(chunks: list[str], option: str = "--server-flags") -> list[str]:
         return [f for chunk in chunks for f in shlex.split(chunk)]
     except ValueError as exc:
         raise ValueError(f"{option} {' '.join(chunks)!r}: {exc}") from None
-
-
-def make_out(path: str | Path, folder: bool = False) -> str:
-    """--out before any work: the folder it goes in made (with `folder`: itself), so that a
-    run does not fail at its end; why it cannot be written, else ''."""
-    path = Path(path)
-    if path.is_dir() and not folder:
-        return f"--out {path} is a folder: name a file"
-    try:
-        (path if folder else path.parent).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:      # a file where a folder must be, or no permission
-        return f"--out {path}: cannot make the folder {exc.filename} ({exc.strerror})"
-    return ""
 
 
 def free_port_block(jobs: int, ephemeral: tuple[int, int] | None = None) -> int:
@@ -334,13 +289,40 @@ class Server:
                 subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
 
 
+def local_server(python: str, args: list[str], port: int, log: Path, env: dict[str, str], tree: str | None = None,
+                 paths: list[str] = (), gpus: str | None = None, standin: bool = False, cls=None, **extra) -> "Server":
+    """One fleet member on this host: `python -m sglang.launch_server ARGS` with SGLang from
+    `tree` (first on PYTHONPATH; None: the caller's), then `paths` (e.g. the weights plugin),
+    the deep_gemm stand-in last where `standin`; `env` (the server's own settings, which a
+    report records) over the caller's environment; on `gpus` (CUDA_VISIBLE_DEVICES, None:
+    the caller's). `cls`: a subclass of Server taking `extra` as keywords."""
+    first = [*([str(Path(tree).resolve())] if tree else []), *paths]
+    process_env = local_env(env, first, [str(STANDIN_SITE)] if standin else [], gpus=gpus)
+    command = launch_command("local", python, None, env, args, [])
+    return (cls or Server)(command, port, log, env, process_env, **extra)
+
+
+def side_by_side(work: dict) -> dict:
+    """{name: fn()} for {name: fn}, each in a thread of its own, all joined."""
+    done = {}
+    threads = [threading.Thread(target=lambda n=n, f=f: done.__setitem__(n, f())) for n, f in work.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def start_all(members: dict[str, "Server"], timeout: float) -> dict[str, str]:
+    """Start every server, then wait for all side by side: {name: why not ready, '' if ready}."""
+    for server in members.values():
+        server.start()
+    return side_by_side({name: (lambda s=s: s.wait_ready(timeout)) for name, s in members.items()})
+
+
 def stop_all(members) -> None:
     """Stop servers side by side (each SIGTERM, SIGKILL after its grace)."""
-    stoppers = [threading.Thread(target=s.stop) for s in members]
-    for t in stoppers:
-        t.start()
-    for t in stoppers:
-        t.join()
+    side_by_side({i: s.stop for i, s in enumerate(members)})
 
 
 def with_signals(handler, run):
@@ -354,29 +336,10 @@ def with_signals(handler, run):
             signal.signal(sig, previous)
 
 
-def tree_state(path: str) -> str:
-    """scripts/status's first line for a folder holding sglang/ (series pristine/applied/...)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), path], capture_output=True, text=True)
-    return (proc.stdout.splitlines() or [proc.stderr.strip()])[0]
-
-
-def check_trees(pristine: str | None, patched: str | None) -> dict[str, str]:
-    """The local launcher's trees must be what their names say; else nothing runs."""
-    states = {}
-    for name, path, want in (("pristine", pristine, "series pristine"), ("patched", patched, "series applied")):
-        if not path or not (Path(path) / "sglang").is_dir():
-            raise SystemExit(f"--launcher local needs --{name}-path: a folder holding an sglang/ package "
-                             f"(tests/e2e/trees.sh makes one); got {path!r}")
-        states[name] = tree_state(path)
-        if not states[name].endswith(want):
-            raise SystemExit(f"--{name}-path {path}: scripts/status says '{states[name]}', expected '{want}'")
-    return states
-
-
 VERSIONS_PROBE = (
     "import importlib.metadata as m, importlib.util as u, os, json, sglang, torch\n"
     "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
-    # a package unpacked without its dist-info (ci/rig/real_kernels): its own version
+    # a package unpacked without its dist-info (harness/rig/real_kernels): its own version
     "def real_sgl_kernel():\n"
     " import sgl_kernel\n"
     " return f'{sgl_kernel.__version__} (real ops, {os.path.dirname(sgl_kernel.__file__)})'\n"

@@ -1,6 +1,6 @@
 """HiCache transfer throughput: native SGLang pools vs patched host pools over kvcached.
 
-    python bench/transfer_bench.py --out bench/results.json    (on a CUDA machine)
+    python -m harness.transfer_bench --out build/bench/transfer.json    (on a CUDA machine)
 
 Runs one child process per variant (kvcached decides at import time):
 
@@ -20,7 +20,7 @@ times through SGLang's host pools:
 with CUDA events after warm-up (JIT compilation outside the timing), the median of
 --reps repetitions, random non-contiguous pages, rotating index sets. It also times a
 large pinned<->device copy, the link's practical limit. Prints a table last and writes
-JSON; bench/plot.py draws it.
+JSON; harness/plot.py draws it; `python -m harness.results add transfer` summarizes it.
 
 --rounds N runs the variants N times in alternating order and tables each cell's median.
 With --cell-by-cell the children stay up, one per variant, and the parent asks them for
@@ -39,7 +39,7 @@ one call; a load runs every target layer, then the draft's (is_draft=True). Nati
 SGLang's own packed path over its dense pools.
 
 kvcached 0.1.6 builds every MLA pool in the group of the process's first MHA pool, where
-a second pool takes over the first's tensors (tests/gpu/pools.py, own_kvcached_group):
+a second pool takes over the first's tensors (harness/kvcached_groups.py):
 a draft pool frees the target's memory, and in the per-layer layout the MLA part's pool,
 built after the MHA part's, gets the MHA pool's tensors. Every kvcached MLA pool here is
 built in a group of its own.
@@ -58,8 +58,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from harness.kvcached_groups import own_kvcached_group
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
+from harness.project import ROOT
 
 MODES = {
     "native": {"ENABLE_KVCACHED": "false"},
@@ -69,7 +70,7 @@ MODES = {
     # Not in the default run: SGLang's pool with its buffers swapped for views of one
     # torch allocation in kvcached's contiguous geometry (all layers, and K with V,
     # interleaved per token). Separates the cost of the strided access pattern from that
-    # of kvcached's memory mapping (bench/RESULTS.md).
+    # of kvcached's memory mapping (docs/transfer-results.md).
     "torch-interleaved": {"ENABLE_KVCACHED": "false"},
 }
 PAGE = 64
@@ -159,7 +160,10 @@ def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_lo
     rows into the same index sets) it can already hold what a wrong copy reads, and the
     round trip would then reproduce it."""
     import torch
-    from tests.support.roundtrip import as_bytes
+
+    def as_bytes(t):   # rows as raw bytes: (rows, bytes a row)
+        t = t.contiguous()
+        return t.view(torch.uint8).reshape(t.shape[0], -1)
     for v in views:
         raw = torch.randint(0, 256, (src.numel(), v[0].numel() * v.element_size()), dtype=torch.uint8,
                             device=v.device)
@@ -174,7 +178,7 @@ def loads_back_exactly(host, pool, views, layers, src, dst, host_backup, host_lo
 def series_applied(site: str) -> str:
     """What scripts/status says of the tree this child imports: its first line, then any
     files it finds missing, edited outside the series' changes, or left by a patch tool."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "status"), site],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "status"), site],
                           capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if not lines:
@@ -354,7 +358,6 @@ def pool_pages(max_tokens: int) -> tuple[int, int]:
 def kv_model(kind: str):
     """The model shape a KV part's pool has (mha: Qwen2.5-7B, mla: DeepSeek-V2-Lite) and the
     bytes a token has in one layer (K and V for MHA)."""
-    from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
     if kind == "mha":
         return QWEN25_7B, QWEN25_7B.kv_heads * QWEN25_7B.head_dim * 2 * 2
     return DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE.kv_dim * 2
@@ -386,7 +389,7 @@ class KVBench:
         self.layers = s.layers
         group = contextlib.nullcontext
         if part == "mla" and hasattr(mp, "ElasticMLATokenToKVPool"):  # kvcached's: one group per pool
-            from tests.gpu.pools import own_kvcached_group as group
+            group = own_kvcached_group
 
         def build(layers):
             if part == "mha":
@@ -526,7 +529,6 @@ def mamba_part(mode, reps, gen):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache import memory_pool as mp
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-    from tests.support.models import QWEN35_4B
     bf, rows = torch.bfloat16, []
     if True:
         m = QWEN35_4B
@@ -578,11 +580,14 @@ def child_env(mode: str, native_sglang: str | None) -> dict:
     return env
 
 
-def run_child(script: str, mode: str, native_sglang: str | None, args: list[str]) -> list[dict]:
-    """Run `script --child mode args` in a fresh process (kvcached patches at import time);
-    the native variant imports the pristine tree when one is given. Returns its rows."""
+CHILD = [sys.executable, "-m", "harness.transfer_bench", "--child"]   # run in ROOT
+
+
+def run_child(mode: str, native_sglang: str | None, args: list[str]) -> list[dict]:
+    """Run `--child mode args` in a fresh process (kvcached patches at import time); the
+    native variant imports the pristine tree when one is given. Returns its rows."""
     started = time.time()
-    proc = subprocess.run([sys.executable, script, "--child", mode, *args], capture_output=True, text=True,
+    proc = subprocess.run([*CHILD, mode, *args], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(mode, native_sglang))
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
@@ -599,9 +604,9 @@ class ServingChild:
     # their kernels' first compilation (minutes). Past this a child is taken as hung.
     REPLY_TIMEOUT_S = 1200
 
-    def __init__(self, script: str, mode: str, native_sglang: str | None, args: list[str]):
+    def __init__(self, mode: str, native_sglang: str | None, args: list[str]):
         self.mode, self.log = mode, tempfile.TemporaryFile("w+b")
-        self.proc = subprocess.Popen([sys.executable, script, "--child", mode, "--serve", *args], text=True,
+        self.proc = subprocess.Popen([*CHILD, mode, "--serve", *args], text=True, cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env=child_env(mode, native_sglang))
 
@@ -732,7 +737,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
     """One row per measurement of a --rounds run: the median of its rounds' GB/s and times,
     with `rounds` saying how many there were; a load-back check passes only if it passed in
     every round. At small batches two processes of one variant can differ by more than the
-    variants do (bench/RESULTS.md), so single runs cannot rank them. Rows of a one-round
+    variants do (docs/transfer-results.md), so single runs cannot rank them. Rows of a one-round
     run and error rows come back unchanged."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -895,7 +900,7 @@ def table(rows: list[dict]) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
+    ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "transfer.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profiles", type=int, default=3,
                     help="profiled runs per KV cell, whose median GPU time the table's bracketed ratios use")
@@ -971,12 +976,12 @@ def main():
         rows = []
         for first_round in range(0, args.process_sets * args.rounds, args.rounds):
             rows += cell_by_cell_rows(modes, args.rounds,
-                                      lambda mode: ServingChild(__file__, mode, args.native_sglang, child_args),
+                                      lambda mode: ServingChild(mode, args.native_sglang, child_args),
                                       lambda set_rows: save(rows + set_rows), first_round)
     else:
         rows = []
         for round_, mode in round_order(modes, args.rounds):
-            child_rows = run_child(__file__, mode, args.native_sglang, child_args)
+            child_rows = run_child(mode, args.native_sglang, child_args)
             rows += [dict(r, round=round_) for r in child_rows] if args.rounds > 1 else child_rows
             save(rows)
     save(rows)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The two SGLang trees compare_servers.py's local launcher runs, made from the SGLang 0.5.20
+# The two SGLang trees harness.compare's local launcher runs, made from the SGLang 0.5.20
 # that an interpreter imports (left untouched):
 #   OUT/pristine/sglang   a copy as it is; must be pristine (scripts/status)
 #   OUT/patched/sglang    a copy with the series applied (scripts/apply)
-# Usage: tests/e2e/trees.sh [PYTHON] [OUT]   (defaults: python3, build/e2e/trees)
+# Usage: harness/trees.sh [PYTHON] [OUT]   (defaults: python3, build/e2e/trees)
 # A server started with OUT/pristine or OUT/patched first on PYTHONPATH imports that copy
 # and everything else (kvcached, torch, ...) from the interpreter's environment.
 set -euo pipefail

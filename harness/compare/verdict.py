@@ -1,6 +1,6 @@
 """Judging server runs: what a response says, how a run compares to native, the report.
 
-A run (one row, see e2e_matrix) is recorded as a dict: its outcome ("served", "died",
+A run (one row, see matrix.py) is recorded as a dict: its outcome ("served", "died",
 "not ready"), the error line its log ends with, kvcached's allocation lines found in its
 log, timings, and the summarized responses of each pass. `verdict` turns a run and its
 group's native run into a result and a list of problems; a problem fails the comparison.
@@ -14,7 +14,7 @@ import re
 # kvcached 0.1.6 logs one of these when it builds an elastic pool or allocator
 KVCACHED_SERVED = re.compile(
     r"VirtualKV Cache is allocated|Elastic MambaPool|Elastic\w*Allocator in use")
-# what tests/e2e/plugin/trained_scale_weights.py prints, once per rank, when it draws a dummy
+# what plugin/trained_scale_weights.py prints, once per rank, when it draws a dummy
 # model's weights: "trained-scale dummy weights drawn: <count> tensors (tp rank <r>)"
 WEIGHTS_REDRAWN = "trained-scale dummy weights drawn"
 WEIGHTS_COUNT = re.compile(re.escape(WEIGHTS_REDRAWN) + r": (\d+) tensors")

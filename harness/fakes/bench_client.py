@@ -2,7 +2,7 @@
 
 Takes bench_serving's flags (those it needs: --base-url, --output-file, the gsp sizes,
 --flush-cache), flushes the server's cache as bench_serving does after its warm-up, asks
-the server (tests/support/bench_fake_server.py) which variant it is and how many runs it
+the server (bench_server.py beside it) which variant it is and how many runs it
 has served, and appends one result line as bench_serving does: the variant's speed from
 SPEEDS, drifting by DRIFT per run the server has served before, so that every variant's
 ratio to native changes from round to round. FAKE_CLIENT_FAIL_ON=<layout> makes it fail

@@ -1,5 +1,5 @@
-"""A stand-in for `mooncake_master` in the harness's tests (tests/cpu/test_mooncake_store.py,
-tests/cpu/test_e2e_compare.py): takes the real one's port flags and, by $FAKE_MASTER,
+"""A stand-in for `mooncake_master` in the harness's tests (the Mooncake store's and the
+comparison's L3 rows): takes the real one's port flags and, by $FAKE_MASTER,
 
   (unset)   serves them: listens on the RPC, HTTP metadata and metrics ports, accepts and
             closes every connection, until SIGTERM;

@@ -1,6 +1,6 @@
 """Mutation run over the Python lines the patch series adds (``make mutants``).
 
-    python -m tests.mutation.run [--jobs N] [--limit N] [--files GLOB ...] [--list]
+    python -m harness.mutants [--jobs N] [--limit N] [--files GLOB ...] [--list]
                                  [--out build/mutants/report.json]
 
 1. Builds its own patched tree from the series as it is now (pristine 0.5.20 from
@@ -34,10 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-from tests.mutation.equivalent import EQUIVALENT
-from tests.mutation.operators import line_mutants
-from tests.mutation.series_lines import ROOT, _series, series_lines
-from tests.mutation.worker import module_name
+from harness.mutants.equivalent import EQUIVALENT
+from harness.mutants.operators import line_mutants
+from harness.mutants.series_lines import series_lines
+from harness.mutants.worker import module_name
+from harness.project import ROOT, series_module
 
 OUT = ROOT / "build" / "mutants"
 CPU = ROOT / "tests" / "cpu"
@@ -98,8 +99,10 @@ def compiles(patched: Path, mutant) -> bool:
 
 class Worker:
     def __init__(self, tree: Path, pristine: Path):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PRISTINE_SGLANG=str(pristine), PYTHONDONTWRITEBYTECODE="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.mutation.worker", str(tree)], cwd=ROOT, env=env,
+        # the worker's copy of the tree first, then the project (the tests it runs import it)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PRISTINE_SGLANG=str(pristine), PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.mutants.worker", str(tree)], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, job: dict) -> dict:
@@ -308,7 +311,7 @@ def run(args, run_dir: Path, started: float) -> int:
                                                                   "error")}
     judged = len(results) - counts["not compilable"]
     report = {
-        "series": [p.name for p in _series.read_series()],
+        "series": [p.name for p in series_module().read_series()],
         "added_code_lines": lines,
         "seconds": round(time.time() - started),
         "jobs": len(trees) if runnable else 0,

@@ -11,14 +11,11 @@ from __future__ import annotations
 import ast
 import difflib
 import io
-import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import _series  # noqa: E402
+from harness.project import series_module
 
 NON_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENCODING, tokenize.ENDMARKER}
@@ -31,7 +28,7 @@ class SeriesFile:
 
 
 def series_py_files() -> list[str]:
-    return [f"sglang/{rel}" for rel in _series.Series().files if rel.endswith(".py")]
+    return [f"sglang/{rel}" for rel in series_module().Series().files if rel.endswith(".py")]
 
 
 def added_lines(pristine: str, patched: str) -> list[int]:

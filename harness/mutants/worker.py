@@ -1,6 +1,6 @@
 """A mutation worker: one copy of the patched tree, SGLang imported once, a fork per mutant.
 
-    python -m tests.mutation.worker TREE    (cwd: the project root)
+    python -m harness.mutants.worker TREE    (cwd: the project root; PYTHONPATH: TREE, then the root)
 
 Importing SGLang takes longer than most mutants' tests, so the worker imports it once
 and forks a child per run. The child writes nothing to the worker's stdout (its own
@@ -182,8 +182,6 @@ def preload(names):
 
 def main():
     tree = Path(sys.argv[1]).resolve()
-    sys.path[:0] = [str(tree), str(ROOT)]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), str(ROOT)])
     os.chdir(ROOT)
     import torch
 

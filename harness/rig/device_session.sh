@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# One call on a GPU machine without network (ci/rig/README.md), where SGLang 0.5.20 and
+# One call on a GPU machine without network (harness/rig/README.md), where SGLang 0.5.20 and
 # kvcached 0.1.6 are installed into $SGLANG_SITE (default /tmp/site): keep a pristine copy of
 # SGLang for the benchmark's native variant, apply the series to the installed tree, then run the steps named in $STEPS:
 #   unpatched  the GPU tier on the pristine copy (expected to fail; $UNPATCHED_TRIPS trips)
 #   tier       the GPU tier on the patched tree ($GPU_LAYOUTS, $GPU_PARTS, $GPU_TESTS, $GPU_TRIPS:
 #              tests/gpu/run_tier.sh)
-#   bench      bench/transfer_bench.py, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
+#   bench      python3 -m harness.transfer_bench, native = the pristine copy ($BENCH_ARGS, e.g. --parts)
 #   differential  the differential cases (docs/differential.md) on SGLang's dense device pools,
 #              pristine copy vs patched tree, real JIT kernels ($DIFF_ARGS, e.g. --case mha*: split
 #              at spaces, no quotes, no file-name globbing)
-# REAL_KERNELS=1 runs every step on sglang-kernel 0.4.5's compiled ops (ci/rig/real_kernels:
+# REAL_KERNELS=1 runs every step on sglang-kernel 0.4.5's compiled ops (harness/rig/real_kernels:
 # .e2e/sgl_kernel_045_sm90.tgz) in place of the import stand-in, and writes which ops ran to
 # $out/sgl_kernel_ops.json.
-# Usage there, with $SGLANG_SITE on PYTHONPATH: STEPS="tier bench" bash ci/rig/device_session.sh $OUT
+# Usage there, with $SGLANG_SITE on PYTHONPATH: STEPS="tier bench" bash harness/rig/device_session.sh $OUT
 set -uo pipefail
 out=${1:?output folder}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,7 +23,7 @@ steps=${STEPS:-tier bench}
 if [ -n "${REAL_KERNELS:-}" ]; then
   export SGLK_REAL_LOG=$out/sgl_kernel_real_ops.log
   # shellcheck source=real_kernels/setup.sh
-  source ci/rig/real_kernels/setup.sh > "$out/real-kernels.log" 2>&1 || { cat "$out/real-kernels.log"; exit 1; }
+  source harness/rig/real_kernels/setup.sh > "$out/real-kernels.log" 2>&1 || { cat "$out/real-kernels.log"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
 python3 -c "import torch, kvcached, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda); print('kvcached', kvcached.__version__); print('sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
@@ -59,12 +59,12 @@ if has differential; then
   echo "differential exit: $?" >> "$out/differential.log"
 fi
 if has bench; then
-  python3 bench/transfer_bench.py --native-sglang "$pristine" --out "$out/bench.json" ${BENCH_ARGS:-} \
+  python3 -m harness.transfer_bench --native-sglang "$pristine" --out "$out/bench.json" ${BENCH_ARGS:-} \
     > "$out/bench.log" 2>&1
   echo "bench exit: $?" >> "$out/bench.log"
 fi
 if [ -n "${REAL_KERNELS:-}" ]; then
-  python3 ci/rig/real_kernels/sgl_kernel_calls.py --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
+  python3 -m harness.rig.real_kernels.sgl_kernel_calls --summary "$SGLK_REAL_LOG" --out "$out/sgl_kernel_ops.json" \
     ${SGLK_CALL_LOG:+--stand-in-log "$SGLK_CALL_LOG"} \
     >> "$out/real-kernels.log" 2>&1
   echo "== real sgl_kernel"; cat "$out/real-kernels.log"

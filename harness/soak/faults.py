@@ -20,9 +20,7 @@ import threading
 import time
 import urllib.error
 
-import soak_kvc as kvc
-import soak_traffic as traffic
-import soak_verdict as verdict
+from harness.soak import kvc, traffic, verdict
 
 
 def plan_faults(duration: float, shared: list[str]) -> list[dict]:
@@ -38,7 +36,7 @@ def plan_faults(duration: float, shared: list[str]) -> list[dict]:
 
 
 class Faults:
-    """The faults of one shared phase over a fleet, its load and its budget (soak_kvc.Budget).
+    """The faults of one shared phase over a fleet, its load and its budget (kvc.Budget).
 
     opts: seed, duration, restart_timeout (the soak's options)."""
 

@@ -3,7 +3,7 @@
 Servers (SGLang 0.5.20's `python -m sglang.launch_server`, side by side, with the
 interpreter and environment of the caller, `--enable-hierarchical-cache` on every one):
   shared s0, s1[, s2]  one per model, kvcached on (ENABLE_KVCACHED=true, each its own
-                       KVCACHED_IPC_NAME), all on one GPU under one KV budget (soak_kvc);
+                       KVCACHED_IPC_NAME), all on one GPU under one KV budget (kvc);
                        the last one runs --small-host-ratio when it is set;
   ref-native-<model>   kvcached off, unshared: the oracle's solo answers, then the reference load;
   ref-kvcached-<model> kvcached on, unshared (no limit set): the reference load.
@@ -18,9 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-import e2e_matrix as matrix
-import e2e_verdict as judge
-import servers
+from harness import servers
+from harness.compare import matrix
+from harness.compare import verdict as judge
 
 class Journal:
     """Events, one JSON object a line, flushed at once; thread-safe."""
@@ -44,12 +44,10 @@ class Journal:
 class FleetServer(servers.Server):
     """One server of the fleet: what it is for, whether clients may send to it."""
 
-    def __init__(self, label: str, role: str, case: matrix.Case, kvcached: bool, port: int, args: list[str],
-                 env: dict[str, str], process_env: dict[str, str], command: list[str], log: Path,
-                 ipc_name: str | None):
+    def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str], process_env: dict[str, str],
+                 *, label: str, role: str, case: matrix.Case, kvcached: bool, ipc_name: str | None):
         super().__init__(command, port, log, env, process_env)
-        self.label, self.role, self.case, self.kvcached = label, role, case, kvcached
-        self.args, self.ipc_name = args, ipc_name
+        self.label, self.role, self.case, self.kvcached, self.ipc_name = label, role, case, kvcached, ipc_name
         self.up = threading.Event()           # answering; clients wait while it is not
         self.paused = threading.Event()       # clients hold back (a drained flush)
         self.expect_exit = False              # a kill or stop by the harness
@@ -130,11 +128,10 @@ def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetSe
             env["KVCACHED_MAX_CACHED_TOKENS"] = str(o.max_cached_tokens)
         if deep_gemm:
             env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
-        first = [*([str(Path(o.native_path).resolve())] if (o.native_path and not on) else []), str(matrix.PLUGIN)]
-        process_env = servers.local_env(env, first, [str(servers.STANDIN_SITE)] if deep_gemm else [], gpus=o.gpu)
-        command = servers.launch_command("local", o.python, None, env, args, [])
-        fleet[label] = FleetServer(label, role, case, on, port, args, env, process_env, command,
-                                   logs / f"{label}.log", ipc)
+        tree = o.native_path if (o.native_path and not on) else None     # else the caller's SGLang
+        fleet[label] = servers.local_server(o.python, args, port, logs / f"{label}.log", env, tree,
+                                            [str(matrix.PLUGIN)], o.gpu, deep_gemm, cls=FleetServer, label=label,
+                                            role=role, case=case, kvcached=on, ipc_name=ipc)
         if small:
             small_host = label
     return fleet, small_host
@@ -161,13 +158,8 @@ class Fleet:
         """Launch every server, wait for all; the shared ones that did not come up."""
         for s in self.servers.values():
             s.launch(self.journal)
-        ready = {}
-        threads = [threading.Thread(target=lambda s=s: ready.__setitem__(s.label, s.wait_up(self.journal, timeout)))
-                   for s in self.servers.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        ready = servers.side_by_side({s.label: (lambda s=s: s.wait_up(self.journal, timeout))
+                                      for s in self.servers.values()})
         return [label for label, ok in ready.items() if not ok and self.servers[label].role == "shared"]
 
     def watch(self) -> None:

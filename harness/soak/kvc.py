@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from soak_traffic import burst_owner
+from harness.soak.traffic import burst_owner
 
 RECORD = struct.Struct("=qqq")        # total_size, used_size, prealloc_size (kvcached's MemInfoStruct)
 SHM_DIR = "/dev/shm"
@@ -177,7 +177,7 @@ class Arbiter:
 
 
 class Budget:
-    """A fleet's kvcached instances (soak_fleet.Fleet), its budget and its counter samples."""
+    """A fleet's kvcached instances (fleet.Fleet), its budget and its counter samples."""
 
     def __init__(self, fleet, shm_dir: str, max_total_tokens: int, burst_period: float):
         self.fleet, self.shm_dir, self.burst_period = fleet, shm_dir, burst_period

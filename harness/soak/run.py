@@ -1,20 +1,19 @@
-#!/usr/bin/env python3
 """Soak: several models on one GPU, each with HiCache over kvcached, under load and faults.
 
-    python3 tests/e2e/soak.py --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
+    python -m harness.soak --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
         [--server-flags "..."] [--detach]
-    python3 tests/e2e/soak.py --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
-    python3 tests/e2e/soak.py --table R1.json R2.json ...                         (docs/soak-results.md rows)
+    python -m harness.soak --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
+    python -m harness.soak --table R1.json R2.json ...                         (docs/soak-results.md rows)
 
-Servers (soak_fleet): one shared server per --models entry, kvcached on, all on one GPU
-under one KV budget (soak_kvc: --budget-fraction of what their pools want, each kept at
+Servers (fleet.py): one shared server per --models entry, kvcached on, all on one GPU
+under one KV budget (kvc.py: --budget-fraction of what their pools want, each kept at
 --floor-tokens at least, the spare following the burst window from server to server), and
 per model an unshared native server (the oracle) and an unshared kvcached one.
-Phases (this file): start all; solo (each catalogue prompt answered alone by the native
+Phases (run.py): start all; solo (each catalogue prompt answered alone by the native
 reference); reference load (--ref-duration per model, native and unshared kvcached side by
 side, then the unshared kvcached one stops); shared (--duration: clients on every shared
-server, bursts rotating, faults: soak_faults); after (a killed server's restart awaited and
-its answers checked, `rejoin`). Traffic: soak_traffic; the oracle and the report: soak_verdict;
+server, bursts rotating, faults: faults.py); after (a killed server's restart awaited and
+its answers checked, `rejoin`). Traffic: traffic.py; the oracle and the report: verdict.py;
 every field of the report: docs/soak-results.md.
 
 Files, written as the run goes (a crash of the harness loses nothing): OUT (the report, rewritten
@@ -25,8 +24,8 @@ OUT-logs/. Exit status: 0 pass, 1 fail or incomplete, 2 bad input.
 On the H200 (after `source .e2e/setup.sh` and `python3 scripts/apply /tmp/site`):
     F="--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none \\
        --mem-fraction-static 0.3 --disable-custom-all-reduce --linear-attn-prefill-backend triton"
-    python3 tests/e2e/soak.py --duration 60 --out $OUT/smoke.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false
-    python3 tests/e2e/soak.py --out /tmp/soak/full.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --detach
+    python -m harness.soak --duration 60 --out $OUT/smoke.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false
+    python -m harness.soak --out /tmp/soak/full.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --detach
     cat /tmp/soak/full.status.json          (poll; "done": true at the end)
 """
 from __future__ import annotations
@@ -40,17 +39,11 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parents[1] / "ci" / "rig"))   # real_kernels: the GPU rig's op recorder
-import e2e_matrix as matrix  # noqa: E402
-import servers  # noqa: E402
-import soak_faults as faults  # noqa: E402
-import soak_fleet as fleets  # noqa: E402
-import soak_kvc as kvc  # noqa: E402
-import soak_traffic as traffic  # noqa: E402
-import soak_verdict as verdict  # noqa: E402
-from real_kernels import sgl_kernel_calls  # noqa: E402
+from harness import project, servers
+from harness.compare import matrix
+from harness.rig.real_kernels import sgl_kernel_calls
+from harness.soak import faults, kvc, traffic, verdict
+from harness.soak import fleet as fleets
 
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")
 SOAK_CASES = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny")
@@ -99,7 +92,7 @@ class Soak:
                 "server_flags": o.server_flags, "env": o.env, "python": o.python,
                 "catalogue_tokens": {n: c.distinct_tokens() for n, c in cats.items()},
                 "catalogue_prompts": {n: len(c.prompts) for n, c in cats.items()},
-                "patches": servers.patches_state()["digest"]}
+                "patches": project.patches_state()["digest"]}
 
     @property
     def journal(self) -> fleets.Journal:
@@ -272,7 +265,7 @@ class Soak:
             self.fleet.phase_stop.set()
             self.fleet.stop_all()
             self.budget.clear()
-        if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (ci/rig/real_kernels/setup.sh)
+        if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (harness/rig/real_kernels/setup.sh)
             self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(
                 os.environ["SGLK_REAL_LOG"], os.environ.get("SGLK_CALL_LOG"))})
         if finished:
@@ -356,7 +349,7 @@ def options(argv=None):
         servers.parse_env(opts.env)
     except ValueError as exc:
         ap.error(str(exc))
-    if why := servers.make_out(opts.out):
+    if why := project.make_out(opts.out):
         ap.error(why)
     return opts
 
@@ -371,7 +364,7 @@ def rebuild(events: str, out: str) -> int:
     elif not any(e.get("type") == "start" for e in journal):
         why = f"{events}: not a soak events journal (no start event)"
     else:
-        why = servers.make_out(out)
+        why = project.make_out(out)
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
@@ -385,7 +378,7 @@ def detach(argv: list[str], out: Path) -> int:
     log = out.with_name(out.stem + ".log")
     args = [a for a in argv if a != "--detach"]
     with open(log, "w") as handle:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=handle,
+        proc = subprocess.Popen([sys.executable, "-m", "harness.soak", *args], stdout=handle,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     status = out.with_name(out.stem + ".status.json")
     print(f"soak running in the background: pid {proc.pid}\n  log {log}\n  status {status} (\"done\": true at the end)"
@@ -414,6 +407,3 @@ def main(argv=None) -> int:
     soak = Soak(opts)
     return servers.with_signals(soak.stop_all, soak.run)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

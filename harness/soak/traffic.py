@@ -1,7 +1,7 @@
 """Soak traffic: a fixed catalogue of token-id prompts per model, streamed requests, clients.
 
 The catalogue is finite and fixed by the seed, so that every prompt the load sends can be
-answered alone once on the reference server (the oracle, soak_verdict). It holds
+answered alone once on the reference server (the oracle, verdict). It holds
 multi-turn conversations on shared system prefixes (turn t = prefix + the turns before it,
 each a user part and a fixed reply, + its own user part: every turn extends the last one's
 prompt), long prompts and short ones. Its distinct tokens exceed what the KV budget lets a
@@ -211,7 +211,7 @@ def answers_since(events: list[dict], server: str, t: float) -> dict:
 
 
 class Load:
-    """Requests and clients over a fleet (soak_fleet.Fleet), one catalogue per model.
+    """Requests and clients over a fleet (fleet.Fleet), one catalogue per model.
 
     opts: seed, max_new_tokens, request_timeout, abort_rate, clients, burst_clients,
     burst_period (the soak's options)."""

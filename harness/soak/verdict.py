@@ -122,7 +122,7 @@ def oracle(events: list[dict]) -> dict:
 
 def summarize(events: list[dict], config: dict | None = None) -> dict:
     """The run's report from its journal (config: what the run was asked to do)."""
-    from soak_kvc import reclaims as count_reclaims
+    from harness.soak.kvc import reclaims as count_reclaims
     config = dict(config or next((e["config"] for e in events if e.get("type") == "start"), {}))
     for e in events:   # the budget is set when the shared phase begins
         if e.get("type") == "budget":
@@ -225,7 +225,7 @@ def budget_use(samples: list[dict], budget: int) -> dict:
     """How well the shared instances kept to the budget: the most they mapped together
     (pages in use and in reserve) and the share of samples above the budget. kvcached
     lowers a limit only once the pages in use fit under it, so a budget can be overrun."""
-    from soak_kvc import mapped, under_budget
+    from harness.soak.kvc import mapped, under_budget
     totals = [sum(mapped(c) for c in s["instances"].values() if under_budget(c)) for s in samples]
     over = sum(1 for t in totals if budget and t > budget)
     return {"bytes": budget, "mapped_max_bytes": max(totals, default=0),

@@ -25,7 +25,7 @@ SGLang's plugin framework (entry point group "sglang.srt.plugins", loaded at the
 each scheduler process): the folder that holds this file and its .dist-info goes on the
 servers' PYTHONPATH. Each rank prints LOG_LINE with the number of tensors it drew to the
 server's log; the comparison requires one such line per rank with a count above 0, equal
-to the native server's (e2e_verdict).
+to the native server's (harness/compare/verdict.py).
 """
 from __future__ import annotations
 

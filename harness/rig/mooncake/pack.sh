@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: ci/rig/mooncake/pack.sh [OUT.tar.xz]   (on a machine with PyPI; default .mc/mooncake-0.3.13.post1.tar.xz)
+# Usage: harness/rig/mooncake/pack.sh [OUT.tar.xz]   (on a machine with PyPI; default .mc/mooncake-0.3.13.post1.tar.xz)
 # Packs mooncake-transfer-engine-non-cuda 0.3.13.post1 (requirements/cpu.txt's pin; cp312)
 # for a GPU machine without network, as a site folder with its dist-info: the store client
 # SGLang's MooncakeStore imports (store.so), mooncake_master and the libraries they load

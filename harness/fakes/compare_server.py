@@ -2,7 +2,9 @@
 (harness.fakes.fake_tree puts it in a tree as sglang/launch_server.py).
 
 Answers /health_generate and /generate like SGLang's server (greedy ids, top logprobs,
-cache details). A prompt seen before is a host hit (a storage hit with
+cache details) and /server_info (which tree it came from, kvcached on or off, its GPUs,
+its PYTHONPATH and the pid of the process it started, as SGLang's server starts its
+scheduler). A prompt seen before is a host hit (a storage hit with
 --hicache-storage-backend: a file store's folder must exist, a Mooncake master must accept
 its client); kvcached on logs its allocation line. With FAKE_MOONCAKE_DIR a Mooncake client
 keeps what it stores in a file of that folder (its segment) named by its tag, sees what
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -37,7 +40,9 @@ ap.add_argument("--hicache-storage-backend-extra-config")
 ap.add_argument("--tp-size", type=int, default=1)
 ap.add_argument("--pp-size", type=int, default=1)
 args, _ = ap.parse_known_args()
-elastic = os.environ["ENABLE_KVCACHED"] == "true"
+elastic = os.environ.get("ENABLE_KVCACHED") == "true"
+# a process it started, as SGLang's server starts its scheduler: a stop must reach it too
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
 store = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
 if args.hicache_storage_backend == "mooncake":
     config = json.loads(args.hicache_storage_backend_extra_config)
@@ -72,7 +77,16 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-    do_GET = do_POST
+    def do_GET(self):
+        if self.path != "/server_info":   # /health_generate and the rest
+            return self.do_POST()
+        info = {"patched": sglang.PATCHED, "kvcached": elastic, "child": child.pid,
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "pythonpath": os.environ.get("PYTHONPATH")}
+        data = json.dumps(info).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
     def generate(self, req):
         if os.environ.get("FAKE_HANG"):
             time.sleep(120)

@@ -364,6 +364,30 @@ def problems_of(report: dict) -> list[str]:
     return out
 
 
+def baseline_of(variant: str) -> str:
+    """The variant a variant's ratios divide by (native for one this tool no longer runs)."""
+    return VARIANTS[variant].baseline if variant in VARIANTS else BASELINE
+
+
+def summary(report: dict) -> dict:
+    """What a committed summary keeps of a report (results/): what render() and plot() read,
+    the per-round values and ratios included; not the client runs, servers or argv."""
+    c = report["config"]
+    keep = ("values", "median", "min_value", "max_value", "ratios", "ratio", "min", "max")
+    return {
+        "config": {k: c.get(k) for k in ("variants", "rounds", "warmup_rounds", "turns", "sizes", "server_flags")},
+        "environment": {"versions": {"sglang": ((report.get("environment") or {}).get("versions") or {}).get("sglang")}},
+        "shapes": {name: {"what": s["what"], "hicache_ratio": s["hicache_ratio"], "workloads": {
+            w_name: {"working_set": w["working_set"], "answers": w["answers"], "summary": {
+                v: {"metrics": {m: {k: st.get(k) for k in keep} for m, st in e["metrics"].items()},
+                    "cache": {k: e["cache"].get(k) for k in ("device_tokens", "host_tokens", "cached_tokens",
+                                                             "host_share")},
+                    **({"targets": e["targets"]} if e.get("targets") else {})}
+                for v, e in w["summary"].items()}}
+            for w_name, w in s["workloads"].items()}} for name, s in report["shapes"].items()},
+        "problems": report.get("problems") or []}
+
+
 def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -399,7 +423,7 @@ def render(report: dict) -> str:
                              for st in (e["metrics"][m] for m, _, _ in METRICS)]
                 ca = e["cache"]
                 share = "-" if ca["host_share"] is None else f"{100 * ca['host_share']:.0f} %"
-                of = f" (to {VARIANTS[v].baseline})" if VARIANTS[v].baseline != BASELINE else ""
+                of = f" (to {baseline_of(v)})" if baseline_of(v) != BASELINE else ""
                 lines.append(f"| {v}{' (values)' if v == BASELINE else of} | " + " | ".join(cells)
                              + f" | {ca['device_tokens']} / {ca['host_tokens']} ({share}) |")
             for v, e in w["summary"].items():
@@ -434,7 +458,7 @@ def plot(report: dict, path: Path) -> bool:
             mid = [s["ratio"] or 0 for s in stats]
             low = [(s["ratio"] or 0) - (s["min"] or 0) for s in stats]
             high = [(s["max"] or 0) - (s["ratio"] or 0) for s in stats]
-            of = f" (to {VARIANTS[v].baseline})" if VARIANTS[v].baseline != BASELINE else ""
+            of = f" (to {baseline_of(v)})" if baseline_of(v) != BASELINE else ""
             ax.bar(xs, mid, width, yerr=[low, high], capsize=3, label=v + of)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(METRICS)), [label for _, label, _ in METRICS])

@@ -55,12 +55,20 @@ def main(src, dst):
     if not Path(dst).parent.is_dir():
         fail(f"{dst}: no folder {Path(dst).parent}")
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         fail("harness/plot.py needs matplotlib (pip install -r requirements/bench.txt)")
+    draw(rows, data.get("meta", {}), dst)
+
+
+def draw(rows: list[dict], meta: dict, dst) -> None:
+    """The figure of measured rows (merged, with GBps) into the image file `dst`."""
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
+    keys = panels(rows)
     cols = 4
     grid_rows = (len(keys) + cols - 1) // cols
     height = 3.3 * grid_rows + 0.7   # the legend's two lines below the panels
@@ -72,7 +80,7 @@ def main(src, dst):
             if points:
                 ax.plot(*zip(*points), marker="o", ms=3, label=label, color=color)
             gpu_points = sorted((r["batch"], r["batch_bytes"] / r["kernel_us"] / 1e3) for r in rows
-                                if "kernel_us" in r and (r["mode"], r["pool"], r["direction"], r["host_layout"])
+                                if "kernel_us" in r and "batch_bytes" in r and (r["mode"], r["pool"], r["direction"], r["host_layout"])
                                 == (mode, pool, direction, layout))
             if gpu_points:
                 ax.plot(*zip(*gpu_points), ls=":", lw=1.2, color=color, label=f"{label}, GPU time only")
@@ -89,13 +97,13 @@ def main(src, dst):
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    meta = data.get("meta", {})
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.suptitle(f"HiCache transfers, {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
                  f"{meta.get('date', '')}, median of {meta.get('reps', '?')}"
                  + (f", then of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.7 / height, 1, 1 - 0.3 / height))
     fig.savefig(dst, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

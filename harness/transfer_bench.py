@@ -836,6 +836,28 @@ def tree_lines(rows: list[dict]) -> list[str]:
     return [f"{r['mode']}: {r['sglang']} ({r['series_applied']})" for r in rows if r.get("pool") == "meta"]
 
 
+SUMMARY_COLUMNS = ("mode", "pool", "direction", "host_layout", "batch", "batch_bytes", "GBps", "kernel_us", "byte_exact",
+                   "rounds")
+
+
+def summary(rows: list[dict]) -> dict:
+    """What a committed summary keeps of saved runs (results/): each cell's medians over its
+    rounds (merge_rounds), as columns and values, with the trees, the setup and any error;
+    table(summary_rows(s)) prints the run's table less the round-paired sign test, which
+    needs every round."""
+    merged = merge_rounds(rows)
+    cells = [r for r in merged if "GBps" in r or "byte_exact" in r]   # timings and load-back checks
+    return {"columns": list(SUMMARY_COLUMNS), "values": [[r.get(k) for k in SUMMARY_COLUMNS] for r in cells],
+            "trees": [{k: r[k] for k in ("mode", "sglang", "series_applied")} for r in merged if r.get("pool") == "meta"],
+            "errors": [{k: r.get(k) for k in ("mode", "pool", "error")} for r in merged if "error" in r]}
+
+
+def summary_rows(data: dict) -> list[dict]:
+    """The rows table() takes, from a summary's data."""
+    rows = [{k: v for k, v in zip(data["columns"], values) if v is not None} for values in data["values"]]
+    return rows + [dict(t, pool="meta") for t in data["trees"]] + list(data["errors"])
+
+
 def table(rows: list[dict]) -> str:
     """GB/s per variant, each variant's ratio to native, and each variant's share of the
     link (the pinned copy's GB/s in that direction).

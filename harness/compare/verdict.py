@@ -262,20 +262,33 @@ def judge(rows: list[dict], logprob_tol: float) -> list[str]:
     return everything
 
 
+SUMMARY_KEYS = ("key", "case", "pool", "tp", "pp", "kvcached", "tree", "host_layout", "io_backend", "l3", "l3_store",
+                "shared", "result", "start_s", "run_s")
+
+
+def summary_row(r: dict) -> dict:
+    """What a judged row's results table and a committed summary keep of it (results/):
+    what ran, the result, pass 2's hit tokens by tier ([device, host, storage], None where
+    it did not serve), the start and run seconds."""
+    hits = hit_totals(r) if r["outcome"] == "served" else None
+    return {**{k: r.get(k) for k in SUMMARY_KEYS},
+            "hits": [hits[k] for k in HIT_KINDS] if hits else None}
+
+
 def markdown_table(rows: list[dict]) -> str:
-    """The results table of docs/e2e-results.md, one line per run."""
+    """The results table, one line per run: of judged rows or of their summary rows."""
     head = ("| model (config) | pool | TP | kvcached layout | SGLang tree | host layout | L3 | result "
             "| pass-2 hit tokens: device / host / storage | start s | run s |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for r in rows:
-        hits = hit_totals(r) if r["outcome"] == "served" else None
+    for r in (r if "hits" in r else summary_row(r) for r in rows):
+        hits = r["hits"]
         lines.append("| " + " | ".join([
-            r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if r.get("pp", 1) > 1 else ""),
+            r["case"], r["pool"], str(r["tp"]) + (f" (PP {r['pp']})" if (r.get("pp") or 1) > 1 else ""),
             r["kvcached"] or "off (native)", r["tree"],
             r["host_layout"] + (" (direct io)" if r.get("io_backend") == "direct" else ""),
-            (r.get("l3_store", "file") + (" (shared: writer, reader)" if r.get("shared") else "")) if r["l3"] else "-",
+            ((r.get("l3_store") or "file") + (" (shared: writer, reader)" if r.get("shared") else "")) if r["l3"] else "-",
             r["result"],
-            f"{hits['device_tokens']} / {hits['host_tokens']} / {hits['storage_tokens']}" if hits else "-",
+            " / ".join(map(str, hits)) if hits else "-",
             f"{r['start_s']:.0f}" if r.get("start_s") is not None else "-",
             f"{r['run_s']:.0f}" if r.get("run_s") is not None else "-",
         ]) + " |")

@@ -10,7 +10,7 @@ set -euo pipefail
 case "${1:-}" in
   -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
 esac
-root=$(cd "$(dirname "$0")/../.." && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
 python=${1:-python3}
 out=${2:-$root/build/e2e/trees}
 pkg=$(ENABLE_KVCACHED=false "$python" -c 'import os, sglang; print(os.path.dirname(os.path.abspath(sglang.__file__)))') \

@@ -44,9 +44,10 @@ OUT = ROOT / "build" / "mutants"
 CPU = ROOT / "tests" / "cpu"
 # A CPU test file runs SGLang's code if it imports sglang (anywhere in it) or uses the
 # kernel emulation's fixtures or the support modules that drive SGLang's stack; the
-# others check this project's own files (tooling, Dockerfile, workflows).
+# others, and every file marked project_files, check this project's own files and tools.
 RUNS_SGLANG = re.compile(r"^\s*(from|import) sglang\b|\b(host_modules|kernel_emulation)\b|"
                          r"tests\.support\.(differential|controller|pp_stages|l3_storage)\b", re.M)
+PROJECT_FILES = re.compile(r"^pytestmark = pytest\.mark\.project_files\b", re.M)
 
 
 def tests_for(path: str) -> list[str]:
@@ -54,7 +55,8 @@ def tests_for(path: str) -> list[str]:
     mutant of any series line meets all of them (the run orders them fastest first, and
     -x stops at the first failure)."""
     files = [*CPU.glob("test_*.py"), *(ROOT / "tests" / "upstream").glob("test_*.py")]
-    return sorted(str(p.relative_to(ROOT)) for p in files if RUNS_SGLANG.search(p.read_text()))
+    return sorted(str(p.relative_to(ROOT)) for p in files
+                  if RUNS_SGLANG.search(p.read_text()) and not PROJECT_FILES.search(p.read_text()))
 
 
 def build_trees(run_dir: Path, jobs: int) -> tuple[Path, Path, list[Path]]:

@@ -178,7 +178,7 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
 def test_the_soak_fails_a_server_that_answers_wrongly_from_host(soak_args, monkeypatch):
     out, args = soak_args
     monkeypatch.setenv("FAKE_WRONG_ON", "_s0")        # s0's answers that came back from host are wrong
-    assert soak.main(args) == 1
+    assert soak.main([*args, "--duration", "3"]) == 1
     report = json.loads(out.read_text())
     assert report["result"] == "fail" and report["mismatches"] > 0
     assert {(d["server"], d["kind"]) for d in report["oracle"]["details"]} == {("s0", "real")}

@@ -44,7 +44,6 @@ def main(src, dst):
     try:
         data = json.loads(Path(src).read_text())
         rows = [r for r in merge_rounds(data["rows"]) if "GBps" in r]
-        link = {r["direction"]: r["GBps"] for r in rows if r["pool"] == "link"}
         keys = panels(rows)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:   # missing, not JSON, not ours
         fail(f"{src}: not a transfer_bench.py --out file it can read ({type(exc).__name__}: {exc})")

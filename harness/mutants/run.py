@@ -22,7 +22,6 @@ import argparse
 import ast
 import fnmatch
 import json
-import math
 import os
 import queue
 import re

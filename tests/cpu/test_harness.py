@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import bench_server, fakes, mooncake_store, project, servers, transfer_bench
+from harness import bench_server, fakes, mooncake_store, project, servers
 from harness.compare import runner as compare
 from harness.compare import verdict
 from harness.fakes import mooncake_master

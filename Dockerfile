@@ -44,13 +44,13 @@ WORKDIR /opt/elastic-hicache
 RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
     python3 -m pip install --no-cache-dir --no-build-isolation "kvcached==${KVCACHED_VERSION}"
 
-# What the CPU tier below needs (bench/: its tests import the benchmark's tools).
+# What the CPU tier below needs (harness/: the tests import its model shapes and tools).
 COPY sglang.pin ./
 COPY patches/ patches/
 COPY scripts/ scripts/
 COPY tests/ tests/
 COPY ci/ ci/
-COPY bench/ bench/
+COPY harness/ harness/
 
 # Apply the series where `sglang` really imports from (an editable checkout at
 # /sgl-workspace/sglang in the official image, but detected, not assumed), then fail the

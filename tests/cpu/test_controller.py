@@ -20,7 +20,7 @@ import torch
 
 from tests.support import controller as ctl
 from tests.support.kvcached_views import mamba_pool, mha_pool, mla_pool
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
 PAGE = 16

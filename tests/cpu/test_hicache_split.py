@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.models import DEEPSEEK_V2_LITE, GPT_OSS_20B, QWEN35_4B
+from harness.models import DEEPSEEK_V2_LITE, GPT_OSS_20B, QWEN35_4B
 
 GPU_BYTES = 80 * 10**9  # an 80 GB card
 KVCACHED_PAGE = 2 << 20

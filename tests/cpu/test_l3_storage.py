@@ -26,7 +26,7 @@ import torch
 from tests.support import controller as ctl
 from tests.support import l3_storage as l3
 from tests.support.kvcached_views import mha_pool, mla_pool
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B
 from tests.support.roundtrip import fill_random, mha_families, mla_families, pages_to_rows, poison
 
 # Starts Mooncake's master, which needs the mooncake package and Debian's libibverbs1

@@ -23,7 +23,7 @@ import torch
 from tests.support import controller as ctl
 from tests.support import pp_stages as pp
 from tests.support.kvcached_views import mamba_pool, mha_pool, mla_pool
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import (as_bytes, fill_random, mamba_families, mha_families, mla_families,
                                      pages_to_rows, poison)
 

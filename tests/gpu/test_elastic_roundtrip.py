@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from tests.gpu.conftest import record
 from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
+from harness.models import DEEPSEEK_V2_LITE, QWEN3_NEXT_80B, QWEN25_7B, QWEN35_4B
 from tests.support.roundtrip import (RoundTrip, fill_random, mamba_families, mha_families, mla_families,
                                      pages_to_rows, poison)
 

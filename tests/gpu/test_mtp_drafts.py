@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from tests.gpu.conftest import record
 from tests.gpu.pools import PAGE, mha_pool, mla_pool, mla_pool_of_its_own
-from tests.support.models import DEEPSEEK_V2_LITE, QWEN25_7B
+from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B
 from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
 
 # Per buffer kind: its name, the device pool's per-layer views, the host pool's per-layer rows.

@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from harness.mooncake_store import MooncakeMaster  # noqa: F401  (the harness's: one launcher)
 from tests.support.controller import ControllerRoundTrip
 from tests.support.roundtrip import as_bytes, pages_to_rows
-
-# The master is the harness's (the server comparison starts the same one): one launcher.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "e2e"))
-from mooncake_store import MooncakeMaster  # noqa: E402,F401
 
 # Every wait on a storage thread is bounded; a hang fails the test.
 THREAD_WAIT_S = 30

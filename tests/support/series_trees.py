@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.project import series_module
+
 ROOT = Path(__file__).resolve().parents[2]
 PRISTINE = os.environ.get("PRISTINE_SGLANG")
-sys.path.insert(0, str(ROOT / "scripts"))
-import _series  # noqa: E402
+_series = series_module()   # scripts/_series.py, loaded from its file
 
 LAYOUTS = ("checkout", "installed")
 RECORD = _series.RECORD

@@ -12,7 +12,7 @@ function that builds its host pools, exactly as a server would call it:
   beside the target's host pool).
 
 The runner crosses every scenario with every host layout and io backend SGLang's
-argument parser accepts. Shapes are the published configs' (tests/support/models.py
+argument parser accepts. Shapes are the published configs' (harness/models.py
 where it has them); layer counts are cut to keep the emulated copies fast.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from tests.support.controller import PageAllocator, SlotAllocator
 from tests.support.differential.steps import TRIP_PAGES, TRIPS
-from tests.support.models import GPT_OSS_20B, QWEN25_7B, QWEN35_4B
+from harness.models import GPT_OSS_20B, QWEN25_7B, QWEN35_4B
 
 PAGE = 16
 DEVICE_PAGES = 10      # page 0 is SGLang's padding page; pages 1-4 hold data, 5-10 are load targets

@@ -1,0 +1,5 @@
+import sys
+
+from harness.compare.runner import main
+
+sys.exit(main())

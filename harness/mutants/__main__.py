@@ -1,0 +1,5 @@
+import sys
+
+from harness.mutants.run import main
+
+sys.exit(main())

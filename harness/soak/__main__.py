@@ -1,0 +1,5 @@
+import sys
+
+from harness.soak.run import main
+
+sys.exit(main())

@@ -136,7 +136,7 @@ bench:
 	  || echo "matplotlib missing (pip install -r requirements/bench.txt): no plot"
 
 # Model-level comparison: SGLang's server, native vs kvcached (harness/compare;
-# results and the exact commands: docs/e2e-results.md). E2E_ARGS picks rows (--pool, --case,
+# how it judges: docs/harness.md; results: results/, docs/results.md). E2E_ARGS picks rows (--pool, --case,
 # --host-layout, --variants, --l3, --gpus, --jobs). Launchers:
 #   docker (GPU runner with Docker and models): the official image vs `make image`;
 #   local (a CUDA machine where $(PYTHON) imports SGLang 0.5.20 and kvcached 0.1.6): both
@@ -158,7 +158,7 @@ else
 endif
 
 # Several models on one GPU, each with HiCache over kvcached, under load and faults
-# (harness/soak; fields and runs: docs/soak-results.md). A CUDA machine where $(PYTHON)
+# (harness/soak; its report: docs/harness.md). A CUDA machine where $(PYTHON)
 # imports SGLang 0.5.20 with the series applied and kvcached 0.1.6. SOAK_ARGS e.g.
 # --duration 60 (smoke), --detach; SOAK_SERVER_FLAGS: more launch_server flags.
 SOAK_OUT ?= build/soak/report.json

@@ -70,7 +70,7 @@ MODES = {
     # Not in the default run: SGLang's pool with its buffers swapped for views of one
     # torch allocation in kvcached's contiguous geometry (all layers, and K with V,
     # interleaved per token). Separates the cost of the strided access pattern from that
-    # of kvcached's memory mapping (docs/transfer-results.md).
+    # of kvcached's memory mapping (docs/harness.md).
     "torch-interleaved": {"ENABLE_KVCACHED": "false"},
 }
 PAGE = 64
@@ -737,7 +737,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
     """One row per measurement of a --rounds run: the median of its rounds' GB/s and times,
     with `rounds` saying how many there were; a load-back check passes only if it passed in
     every round. At small batches two processes of one variant can differ by more than the
-    variants do (docs/transfer-results.md), so single runs cannot rank them. Rows of a one-round
+    variants do (docs/harness.md), so single runs cannot rank them. Rows of a one-round
     run and error rows come back unchanged."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -3,7 +3,7 @@
     python -m harness.soak --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
         [--server-flags "..."] [--detach]
     python -m harness.soak --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
-    python -m harness.soak --table R1.json R2.json ...                         (docs/soak-results.md rows)
+    python -m harness.soak --table R1.json R2.json ...                         (the results table rows)
 
 Servers (fleet.py): one shared server per --models entry, kvcached on, all on one GPU
 under one KV budget (kvc.py: --budget-fraction of what their pools want, each kept at
@@ -14,7 +14,7 @@ reference); reference load (--ref-duration per model, native and unshared kvcach
 side, then the unshared kvcached one stops); shared (--duration: clients on every shared
 server, bursts rotating, faults: faults.py); after (a killed server's restart awaited and
 its answers checked, `rejoin`). Traffic: traffic.py; the oracle and the report: verdict.py;
-every field of the report: docs/soak-results.md.
+the report: docs/harness.md.
 
 Files, written as the run goes (a crash of the harness loses nothing): OUT (the report, rewritten
 every --report-every s and at the end), OUT.events.jsonl (every request, counter sample, server
@@ -287,7 +287,7 @@ def options(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", default="build/soak/report.json")
-    ap.add_argument("--table", nargs="+", metavar="REPORT", help="print docs/soak-results.md rows of reports, exit")
+    ap.add_argument("--table", nargs="+", metavar="REPORT", help="print the table rows of reports, exit")
     ap.add_argument("--rebuild", metavar="EVENTS", help="write --out again from a run's events journal, exit")
     ap.add_argument("--detach", action="store_true", help="run in the background (new session), log to OUT.log")
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=SOAK_CASES,

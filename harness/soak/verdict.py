@@ -276,7 +276,7 @@ def problems(report: dict) -> list[str]:
     return out
 
 
-# --- docs/soak-results.md ---------------------------------------------------------------
+# --- the results table ---------------------------------------------------------------
 
 TABLE_HEAD = ("| run | result | shared s | servers (model: pool, kvcached) | requests | host-hit tokens "
               "| mismatches (noise) | crashes | reclaims | faults | TTFT host-hit p50 / p99 ms: shared "

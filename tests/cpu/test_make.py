@@ -183,7 +183,7 @@ def test_the_tier_hides_only_the_gpu_warnings_too(tmp_path):
 
 
 SCRIPTS = sorted([p for p in (ROOT / "scripts").iterdir() if not p.name.startswith("_") and os.access(p, os.X_OK)]
-                 + [ROOT / "ci" / "venv"] + list((ROOT / "tests" / "e2e").glob("*.sh")))
+                 + [ROOT / "ci" / "venv"] + list((ROOT / "harness").glob("*.sh")))
 
 
 def test_every_script_is_listed():
@@ -197,7 +197,7 @@ def test_help_says_how_and_does_nothing(tmp_path, script, flag):
     """Each script run from a scratch copy of this repository's scripts: its usage on
     stdout, exit 0, and no file made or changed in the copy (nor in build/)."""
     root = tmp_path / "root"
-    for part in ("scripts", "patches", "tests/e2e", "requirements"):
+    for part in ("scripts", "patches", "harness", "requirements"):
         shutil.copytree(ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "ci").mkdir()
     shutil.copy2(ROOT / "ci" / "venv", root / "ci" / "venv")

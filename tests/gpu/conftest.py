@@ -3,7 +3,7 @@
 kvcached reads KVCACHED_CONTIGUOUS_LAYOUT when it is imported, so one pytest process
 covers one kvcached layout; `make test-gpu` runs the tier once per layout. Each test
 appends one JSON line (configuration, trips, result) to $GPU_RESULTS for the table in
-docs/gpu-results.md.
+docs/harness.md and results/.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import os
 import time
 
 import pytest
+
+from harness.project import patches_state
 
 os.environ.setdefault("ENABLE_KVCACHED", "true")
 os.environ.setdefault("KVCACHED_AUTOPATCH", "1")
@@ -37,7 +39,10 @@ TRIPS = int(os.environ.get("GPU_TRIPS", "1000"))
 
 
 def record(**row):
-    row.update(kvcached_layout=LAYOUT, gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    # The series these rows are of: its digest, as `harness.results add gpu-tier` groups rows.
+    series = patches_state()
+    row.update(kvcached_layout=LAYOUT, gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+               series=f"0001-{len(series['files']) - 1:04d} {series['digest'][:16]}")
     path = os.environ.get("GPU_RESULTS")
     if path:
         with open(path, "a") as handle:

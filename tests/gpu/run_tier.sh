@@ -2,7 +2,7 @@
 # The GPU tier: every test under tests/gpu once per kvcached layout (kvcached reads the
 # layout at import). Needs a CUDA GPU, kvcached 0.1.6 and the SGLang tree under test on
 # PYTHONPATH. Results: one JSON line per test in $GPU_RESULTS (default
-# build/gpu-results.jsonl), summarised by hand in docs/gpu-results.md.
+# build/gpu-results.jsonl), summarised by hand in docs/harness.md and results/.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root" || exit 1

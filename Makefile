@@ -196,7 +196,9 @@ bench-server:
 # engine first (a docker without its daemon is one line) and, when the build fails for a
 # reason it knows (a TLS proxy's certificate, the host's limits, crun on hybrid cgroups, a
 # base that cannot be reached or resolved), says in one line what to change, naming the
-# stand-in base where that is the way out; the build's output is kept in IMAGE_LOG.
+# stand-in base where that is the way out; the build's output is kept in IMAGE_LOG, and what
+# was built (engine, image id, size, step times, what ran inside, the series digest) in
+# ci/image/record.json (ci/image/record.py; make lint fails when its digest is not patches/').
 CONTAINER_ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
   elif command -v podman >/dev/null 2>&1; then echo podman; else echo docker; fi)
 IMAGE_BUILD_FLAGS ?= $(if $(filter podman,$(notdir $(CONTAINER_ENGINE))),--isolation=chroot --format docker)
@@ -212,8 +214,9 @@ image:
 	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg SGLANG_IMAGE_DIGEST=$(SGLANG_IMAGE_DIGEST) \
 	  --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg SGLANG_COMMIT=$(SGLANG_COMMIT) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg SOURCE=$$(git config --get remote.origin.url || echo unknown) \
-	  -t $(IMAGE_TAG) . 2>&1 | tee "$(IMAGE_LOG)" \
+	  -t $(IMAGE_TAG) . 2>&1 | ci/image/record.py stamp | tee "$(IMAGE_LOG)" \
 	  || { CONTAINER_ENGINE=$(CONTAINER_ENGINE) IMAGE_BASE="$(IMAGE_BASE)" ci/image/engine.sh explain "$(IMAGE_LOG)"; exit 1; }
+	@ci/image/record.py write --log "$(IMAGE_LOG)" --tag $(IMAGE_TAG) --engine $(CONTAINER_ENGINE)
 
 ci:
 	bash .ci/run

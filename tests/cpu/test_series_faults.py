@@ -161,8 +161,10 @@ if what == "import":  # from the script's first line (its exec) on
 elif what == "close":
     wrap(os, "close", lambda fd: os.path.isdir(f"/proc/self/fd/{fd}"))
 else:
-    sys.path.insert(0, sys.argv[3])
-    import _series
+    import importlib.util  # the scripts' own _series, loaded from its file as they import it
+    spec = importlib.util.spec_from_file_location("_series", os.path.join(sys.argv[3], "_series.py"))
+    _series = sys.modules["_series"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_series)
     wrap(_series, "recover", lambda pkg: True)
 sys.argv = sys.argv[4:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -312,8 +312,9 @@ def load(path: str | Path) -> dict:
 
 def summary(report: dict) -> dict:
     """What a committed summary keeps (results/): the plan and budgets, the servers' pools,
-    the slots, every phase's per-round values and ratios, the targets, the correctness
-    sample, the TTFT series and the problems; not the journal's requests."""
+    the slots, every phase's per-round values and ratios (6 significant digits) and
+    request counts, the targets, the correctness sample, the TTFT series and the problems;
+    not the journal's requests. render() and plot() take it as they take the report."""
     c = report["config"]
     keep_server = ("variant", "model", "event", "planned_tokens", "pool_tokens", "planned_host_gb", "host_gb",
                    "start_s")
@@ -323,8 +324,25 @@ def summary(report: dict) -> dict:
             "servers": {k: {f: s.get(f) for f in keep_server} for k, s in report["servers"].items()},
             "slots": [{k: e.get(k) for k in ("round", "position", "variant", "status", "why", "seconds",
                                              "log_retractions", "ballast")} for e in report["slots"]],
-            "phases": report["phases"], "targets": report["targets"], "correctness": report["correctness"],
+            "phases": {phase: {v: {"rounds": [{k: x["total"][k] for k in COUNTS} if x else None for x in e["rounds"]],
+                                   **{k: significant(e[k]) for k in ("total", "models", "ttft_series")}}
+                               for v, e in per_variant.items()} for phase, per_variant in report["phases"].items()},
+            "targets": significant(report["targets"]), "correctness": report["correctness"],
             "complete": report["complete"], "problems": report["problems"]}
+
+
+COUNTS = ("sent", "answered", "errors", "cut", "duration_s")
+
+
+def significant(value, digits: int = 6):
+    """Floats to `digits` significant digits (what a committed summary keeps)."""
+    if isinstance(value, float) and math.isfinite(value) and value:
+        return round(value, digits - 1 - int(math.floor(math.log10(abs(value)))))
+    if isinstance(value, dict):
+        return {k: significant(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [significant(v, digits) for v in value]
+    return value
 
 
 # ---- markdown ----------------------------------------------------------------------------
@@ -354,7 +372,10 @@ def _share(x) -> str:
 
 
 def render(data: dict) -> str:
-    """The markdown of a report or of its summary."""
+    """The markdown of a report's summary (a report is summarized first, so that a run's
+    summary.md reads as the committed summary renders)."""
+    if "argv" in data:
+        data = summary(data)
     c = data["config"]
     plan, labels = c["plan"], c["labels"]
     variants = plan["variants"]
@@ -413,11 +434,12 @@ def render(data: dict) -> str:
         lines += ["", "Per round, total:", "", "| variant | round | req/s | TTFT p99 ms | within SLO | host hits |",
                   "|---|---|---|---|---|---|"]
         for v, e in per_variant.items():
+            t = e["total"]
             for r, x in enumerate(e["rounds"]):
                 if x:
-                    t = x["total"]
-                    lines.append(f"| {name(v)} | {r + 1} | {fmt(t['request_throughput'], 2)} | "
-                                 f"{fmt(t['ttft_p99_ms'])} | {_share(t['slo_share'])} | {fmt(t['host_hit_tokens'])} |")
+                    lines.append(f"| {name(v)} | {r + 1} | {fmt(t['request_throughput']['values'][r], 2)} | "
+                                 f"{fmt(t['ttft_p99_ms']['values'][r])} | {_share(t['slo_share']['values'][r])} | "
+                                 f"{fmt(t['host_hit_tokens']['values'][r])} |")
         lines += ["", "Per model:", "", "| model | variant | req/s | TTFT p50 ms | TTFT p99 ms | within SLO | "
                   "device / host hits | retractions |", "|---|---|---|---|---|---|---|---|"]
         for label in labels:

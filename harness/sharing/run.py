@@ -144,12 +144,14 @@ class Run:
         began = time.time()
         fleet = {f"{v}/{label}": self.servers[(v, label)] for v in group for label in self.labels}
         for s in fleet.values():
-            s.log.write_text("")
+            if not s.starts:            # a run's logs begin empty; a restart (fleet "variant") appends
+                s.log.write_text("")
+        offsets = {name: s.log.stat().st_size for name, s in fleet.items()}
         why = servers.start_all(fleet, self.opts.ready_timeout)
         budgets = P.budgets(self.plan)
         for name, s in fleet.items():
             v, label = name.split("/", 1)
-            text = s.log_text()
+            text = read_from(s.log, offsets[name])
             scan = judge.scan_log(text)
             b = budgets[(v, label)]
             self.record({"type": "server", "label": name, "variant": v, "model": label,
@@ -285,7 +287,7 @@ class Run:
             self.record({"type": "slot", **where, "status": "not run", "why": self.failed[variant]})
             return
         flush_failed = [f"{v}/{label}" for v in self.up for label, s in self.members(v).items() if not self.flush(s)]
-        offsets = {label: s.log.stat().st_size if s.log.exists() else 0 for label, s in self.members(variant).items()}
+        offsets = {label: s.log.stat().st_size for label, s in self.members(variant).items()}
         ballast = None
         try:
             if P.VARIANTS[variant].kvcached:
@@ -308,11 +310,8 @@ class Run:
                 self.sample(rnd)
         finally:
             self.stop_ballast()
-        retractions = {}
-        for label, s in self.members(variant).items():
-            with open(s.log, errors="replace") as handle:
-                handle.seek(offsets[label])
-                retractions[label] = summary.log_retractions(handle.read())
+        retractions = {label: summary.log_retractions(read_from(s.log, offsets[label]))
+                       for label, s in self.members(variant).items()}
         self.record({"type": "slot", **where, "status": "done", "seconds": round(time.time() - began, 1),
                      "log_retractions": retractions, "flush_failed": flush_failed, "ballast": ballast})
         self.save()
@@ -326,7 +325,8 @@ class Run:
 
     def run(self) -> int:
         o, plan = self.opts, self.plan
-        environment = {**servers.machine(o.python, o.patched_path), "server_flags": self.extra_flags,
+        environment = {**servers.machine(o.python, o.patched_path), "server_flags": [*plan.server_flags,
+                                                                                      *self.extra_flags],
                        "env": self.extra_env, "trees": self.trees}
         self.plan_servers(o.port or servers.free_port_block(len(plan.variants) * len(self.labels)))
         self.record({"type": "run", "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:],
@@ -347,6 +347,13 @@ class Run:
         self.set_status(stage="done", done=True, problems=len(report["problems"]))
         print(summary.render(report), end="")
         return 1 if report["problems"] else 0
+
+
+def read_from(path: Path, offset: int) -> str:
+    """A log's text from a byte offset (what a server wrote since then)."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read().decode(errors="replace")
 
 
 def until_done(coroutine):
@@ -420,12 +427,12 @@ def options(argv=None):
             raise BadInput(f"--plan {opts.plan}: not a JSON object of plan fields")
     for pair in opts.set:
         key, sep, value = pair.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except ValueError:
-            overrides[key] = value if sep else None
         if not sep:
             raise BadInput(f"--set {pair!r}: FIELD=JSON")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:          # a bare word: a string (fleet=variant)
+            overrides[key] = value
     try:
         plan = P.plan_from(plan, overrides)
     except ValueError as exc:

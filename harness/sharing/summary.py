@@ -281,6 +281,9 @@ def problems(report: dict) -> list[str]:
     for e in report["slots"]:
         if e.get("status") != "done":
             out.append(f"round {e['round'] + 1} {e['variant']}: {e.get('why') or e.get('status')}")
+        elif e.get("flush_failed"):
+            out.append(f"round {e['round'] + 1} {e['variant']}: caches not flushed before it: "
+                       + ", ".join(e["flush_failed"]))
     for phase, per_variant in report["phases"].items():
         for v, entry in per_variant.items():
             for r, x in enumerate(entry["rounds"]):

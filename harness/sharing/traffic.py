@@ -139,7 +139,7 @@ async def generate(session, base: str, ids, max_new_tokens: int, timeout: float)
                     return rec
                 now = time.monotonic()
                 meta = chunk.get("meta_info") or {}
-                total = meta.get("completion_tokens", count + len(chunk.get("output_ids") or []))
+                total = meta.get("completion_tokens", len(chunk.get("output_ids") or []))   # cumulative ids
                 if total > count:
                     if rec["ttft"] is None:
                         rec["ttft"] = now - start

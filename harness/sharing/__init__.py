@@ -41,7 +41,9 @@ The run checks each server's log for the pools it really got (SGLang's
 max_total_num_tokens line, its host pool lines) against the plan, and reports any
 difference as a problem.
 
-On one H100 (or H200), in one call carrying the .e2e bundle (harness/rig/README.md):
+On one H100 (or H200). Here first, once: `bash ../shared/device/e2e/build.sh` and
+`harness/rig/real_kernels/pack.sh` (they write .e2e/); then one device call carrying
+[".e2e"] (a command may run 10 minutes: the run goes to the background, later calls poll):
 
     source .e2e/setup.sh > $OUT/setup.log 2>&1; source harness/rig/real_kernels/setup.sh > $OUT/kernels.log 2>&1
     harness/trees.sh python3 /tmp/trees > $OUT/trees.log 2>&1
@@ -50,14 +52,18 @@ On one H100 (or H200), in one call carrying the .e2e bundle (harness/rig/README.
     python3 -m harness.sharing --preset two-mha --python python3 --pristine-path /tmp/trees/pristine \\
         --patched-path /tmp/trees/patched --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false \\
         --out /tmp/sharing/two-mha --detach
-    # then, call after call: cat /tmp/sharing/two-mha/status.json ("done": true at the end), and
-    # cp /tmp/sharing/two-mha/{report.json,summary.md,journal.jsonl} $OUT/
+    # every later call, until status.json says "done": true (keep the machine warm: a call a run):
+    S=/tmp/sharing/two-mha; for i in $(seq 56); do grep -q '"done": true' $S/status.json && break; sleep 10; done
+    cat $S/status.json; cp $S/report.json $S/summary.md $OUT/; gzip -c $S/journal.jsonl > $OUT/journal.jsonl.gz
 
 `--preset smoke` first (harness/compare's tiny MHA config twice, one round: about 7
-minutes, the servers' start included), then `two-mha` (two Llama-3.2-1B-shaped servers a
-variant, eight at once, about 20 minutes) and `mix` (MHA, MLA and the Mamba hybrid: about
-85 GiB for the twelve servers, an H200; about 25 minutes). `--dry-run` prints every
-server's command and environment, the budgets, the memory and time estimates, and starts
-nothing. A run's summary: `python -m harness.results add sharing NAME OUT/report.json
---title ...`, rendered by `make report`.
+minutes with the servers' start), then `two-mha` (two Llama-3.2-1B-shaped servers a
+variant, eight at once: about 18 minutes) and `mix` (MHA, MLA and the Mamba hybrid,
+twelve servers at once: about 85 GiB, an H200; about 19 minutes). `--dry-run` prints
+every server's command and environment, the budgets, the memory and time estimates, and
+starts nothing. Under the bursts and waves the offered load must overload a static share
+(a static variant queues, retracts or recomputes evicted prefixes) for the throughputs to
+differ: the presets' rates are a first guess, `--set burst_rate=...` tunes them. A run's
+summary: `python -m harness.results add sharing NAME OUT/report.json --title ...` (or the
+journal, gzipped or not), rendered by `make report`.
 """

@@ -286,10 +286,10 @@ def plan_from(base: Plan, overrides: dict) -> Plan:
 
 PRESETS = {
     # harness/compare's tiny MHA config twice: the whole pipeline on a GPU in minutes
-    "smoke": Plan(models=("qwen2-tiny", "qwen2-tiny"), rounds=1, phase_s=10.0, drain_s=30.0, burst_rate=30.0,
+    "smoke": Plan(models=("qwen2-tiny", "qwen2-tiny"), rounds=1, phase_s=8.0, drain_s=30.0, burst_rate=30.0,
                   idle_rate=2.0, wave_rate=30.0, even_rate=10.0, kv_budget_gib=1.0, host_gb=2.0, groups=16,
                   prefix_tokens=1536, conversations=4, turns=3, user_tokens=128, reply_tokens=64,
-                  max_new_tokens=16, sample_groups=12, sample_prefix_tokens=1536, warmup_s=5.0),
+                  max_new_tokens=16, sample_groups=12, sample_prefix_tokens=1536, warmup_s=3.0),
     # two of one kind, the first case: 32 KB of KV a token, a 4 GiB budget (131,072
     # tokens, a static share of 65,536 each) under a working set of about 98,000 tokens a model
     "two-mha": Plan(models=("llama3.2-1b", "llama3.2-1b")),

@@ -285,8 +285,10 @@ class Run:
             return
         if not self.ensure_up(variant):
             self.record({"type": "slot", **where, "status": "not run", "why": self.failed[variant]})
+            self.save()
             return
         flush_failed = [f"{v}/{label}" for v in self.up for label, s in self.members(v).items() if not self.flush(s)]
+        time.sleep(o.settle_s)      # kvcached gives freed pages back in the background
         offsets = {label: s.log.stat().st_size for label, s in self.members(variant).items()}
         ballast = None
         try:
@@ -296,6 +298,7 @@ class Run:
                 if "error" in ballast:
                     self.record({"type": "slot", **where, "status": "not run", "why": f"ballast: {ballast['error']}",
                                  "ballast": ballast})
+                    self.save()
                     return
             for phase in plan.phases:
                 if not P.runs_in(plan, phase, rnd):
@@ -411,6 +414,8 @@ def options(argv=None):
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds for the servers to start")
     ap.add_argument("--deadline", type=float, help="start no slot after this many seconds (it is 'not run')")
     ap.add_argument("--shm-dir", default=kvc.SHM_DIR, help="where kvcached keeps its per-instance counters")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="seconds between a slot's flush and the ballast's measure (kvcached unmaps in the background)")
     ap.add_argument("--gpu-memory-gib", type=float, help="the dry run's memory estimate (default: nvidia-smi's, else 80)")
     ap.add_argument("--detach", action="store_true", help="run in the background (new session), log to OUT/run.log")
     opts = ap.parse_args(argv)

@@ -23,14 +23,12 @@ sample equals the reference's (the native server of (b), solo) or is a mismatch.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 from pathlib import Path
 
 from harness.sharing.plan import BASELINE, PRODUCT, SHIFTING, VARIANTS
-from harness.soak.verdict import read_journal
 
 # (key, what the report calls it, which way is better)
 METRICS = (("request_throughput", "req/s", "higher"), ("output_throughput", "out tok/s", "higher"),
@@ -169,11 +167,10 @@ def summarize(events: list[dict]) -> dict:
             per_variant[v] = {"rounds": rounds_out}
         base = per_variant.get(BASELINE, {"rounds": [None] * rounds})["rounds"]
         for v, entry in per_variant.items():
-            pick = lambda rs, m, key: [x[m][key] if m == "total" and x else x["models"][m][key] if x else None
-                                       for x in rs]
-            entry["total"] = {k: across(pick(entry["rounds"], "total", k), pick(base, "total", k)) for k, _, _ in METRICS}
-            entry["models"] = {m: {k: across([x["models"][m][k] if x else None for x in entry["rounds"]],
-                                             [x["models"][m][k] if x else None for x in base]) for k, _, _ in METRICS}
+            total = lambda rs, k: [x["total"][k] if x else None for x in rs]
+            model = lambda rs, m, k: [x["models"][m][k] if x else None for x in rs]
+            entry["total"] = {k: across(total(entry["rounds"], k), total(base, k)) for k, _, _ in METRICS}
+            entry["models"] = {m: {k: across(model(entry["rounds"], m, k), model(base, m, k)) for k, _, _ in METRICS}
                                for m in labels}
             first = next((r for r in range(rounds) if entry["rounds"][r] is not None), None)
             entry["ttft_series"] = {m: _series([x for x in by_slot_phase.get((first, v, phase), []) if x["model"] == m],
@@ -303,14 +300,16 @@ def problems(report: dict) -> list[str]:
 
 
 def load(path: str | Path) -> dict:
-    """A report: report.json as written, or made from a journal (.jsonl)."""
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        return summarize(read_journal(path))
-    report = json.loads(path.read_text())
-    if not isinstance(report, dict) or report.get("tool") != "sharing":
+    """A report: report.json as written, or made again from a journal (journal.jsonl);
+    either may be gzipped."""
+    from harness.results import raw_json
+
+    data = raw_json(Path(path))
+    if isinstance(data, list):
+        return summarize([e for e in data if isinstance(e, dict)])
+    if not isinstance(data, dict) or data.get("tool") != "sharing":
         raise ValueError("not a sharing report")
-    return report
+    return data
 
 
 def summary(report: dict) -> dict:

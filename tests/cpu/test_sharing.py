@@ -49,7 +49,7 @@ def run_tool(folder: Path, plan: dict, monkeypatch, **env) -> tuple[int, Path]:
     out = folder / "out"
     code = run.main(["--plan", str(folder / "plan.json"), "--pristine-path", str(folder / "pristine"),
                      "--patched-path", str(folder / "patched"), "--out", str(out), "--shm-dir", str(shm),
-                     "--ready-timeout", "60", "--port", str(servers.free_port_block(4))])
+                     "--ready-timeout", "60", "--settle-s", "0", "--port", str(servers.free_port_block(4))])
     return code, out
 
 

@@ -193,14 +193,15 @@ bench-server:
 # same KV and host memory in each; load that shifts between the models and even load, in
 # rotated rounds; the same machine and trees as `make bench-server`. SHARING_ARGS e.g.
 # --preset smoke|two-mha|mix, --set rounds=3, --detach, --dry-run; E2E_SERVER_FLAGS: more
-# launch_server flags. The report again from a journal: python -m harness.sharing --rebuild
-# $(SHARING_OUT)/journal.jsonl.
-SHARING_OUT ?= build/sharing
+# launch_server flags; SHARING_OUT: the run's folder (default build/sharing/<preset>). The
+# report again from a journal: python -m harness.sharing --rebuild OUT/journal.jsonl.
+SHARING_OUT ?=
 SHARING_ARGS ?= --preset two-mha
 bench-sharing:
 	harness/trees.sh $(PYTHON) $(E2E_TREES)
 	$(PYTHON) -m harness.sharing --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
-	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") --out $(SHARING_OUT) $(SHARING_ARGS)
+	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(if $(SHARING_OUT),--out $(SHARING_OUT)) \
+	  $(SHARING_ARGS)
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
 # daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot

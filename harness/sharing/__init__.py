@@ -52,7 +52,7 @@ On one H100 (or H200). Here first, once: `bash ../shared/device/e2e/build.sh` an
     python3 -m harness.sharing --preset two-mha --python python3 --pristine-path /tmp/trees/pristine \\
         --patched-path /tmp/trees/patched --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false \\
         --out /tmp/sharing/two-mha --detach
-    # every later call, until status.json says "done": true (keep the machine warm: a call a run):
+    # then call after call (each under 10 minutes, the machine kept), until "done": true:
     S=/tmp/sharing/two-mha; for i in $(seq 56); do grep -q '"done": true' $S/status.json && break; sleep 10; done
     cat $S/status.json; cp $S/report.json $S/summary.md $OUT/; gzip -c $S/journal.jsonl > $OUT/journal.jsonl.gz
 

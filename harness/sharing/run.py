@@ -225,6 +225,9 @@ class Run:
                                               {"role": "sample", "round": rnd, "variant": P.PRODUCT, "model": label},
                                               background))
             self.record({"type": "sample", "round": rnd, "model": label, **done})
+        wrong = summary.correctness(self.events)["mismatches"]
+        if wrong:
+            self.log(f"MISMATCH: {len(wrong)} of (d)'s sample answers so far differ from the native reference's")
 
     # ---- the ballast -------------------------------------------------------------------
 

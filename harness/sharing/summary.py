@@ -382,7 +382,7 @@ def render(data: dict) -> str:
     plan, labels = c["plan"], c["labels"]
     variants = plan["variants"]
     name = lambda v: f"({VARIANTS[v].letter}) {v}"
-    lines = [f"# Sharing one GPU: {', '.join(labels)}; four ways to split it", "",
+    lines = [f"# Sharing one GPU: {', '.join(labels)}; {len(variants)} ways to split it", "",
              f"{len(labels)} SGLang servers a variant on one GPU, {plan['rounds']} rounds, each variant once a round, "
              f"the order rotated; phases {', '.join(plan['phases'])} of {plan['phase_s']:g} s of arrivals each "
              f"(the even-load control in the first {plan['even_rounds']} rounds). KV budget of a variant "

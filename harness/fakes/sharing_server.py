@@ -61,6 +61,9 @@ def main() -> None:
               flush=True)
     if elastic:
         print(f"[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: {pool}", flush=True)
+        if cap >= 0:
+            print(f"[kvcached] UnifiedRadixCache evictable size capped at {cap} tokens (KVCACHED_MAX_CACHED_TOKENS)",
+                  flush=True)
 
     lock = threading.Lock()
     tiers = {"device": OrderedDict(), "host": OrderedDict()}          # prompt -> tokens, oldest first

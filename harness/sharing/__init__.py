@@ -37,8 +37,8 @@ same host memory in total and (a) and (c) none. Device, by variant:
       its static share of finished requests' tokens cached on the device (kvcached's own
       limit, an operator's setting: without it an idle model would keep its pages); with
       HiCache what is evicted stays in host memory.
-The run checks each server's log for the pools it really got (SGLang's
-max_total_num_tokens line, its host pool lines) against the plan, and reports any
+The run checks each server's log for what it really got (SGLang's max_total_num_tokens
+line, its host pool lines, kvcached's cap line) against the plan, and reports any
 difference as a problem.
 
 On one H100 (or H200). Here first, once: `bash ../shared/device/e2e/build.sh` and

@@ -61,7 +61,8 @@ class Model:
     @property
     def kvcached_page_tokens(self) -> int:
         """Tokens on one kvcached page of one layer's buffer (KVCACHED_PAGE_SIZE_MB, 2 by
-        default): an elastic pool smaller than a page per layer never serves (FACTS.md)."""
+        default): an elastic pool smaller than a page a layer has no usable page, and its
+        server waits at warm-up for ever."""
         c = self.config
         row = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2 if "kv_lora_rank" in c \
             else c["num_key_value_heads"] * self._head_dim() * 2

@@ -157,6 +157,7 @@ class Run:
             self.record({"type": "server", "label": name, "variant": v, "model": label,
                          "event": "not ready" if why[name] else "ready", "why": why[name],
                          **summary.log_facts(text), "planned_tokens": b.device_tokens, "planned_host_gb": b.host_gb,
+                         "planned_cached_tokens": b.cached_tokens,
                          "kvcached_lines": scan["kvcached_lines"], "weights_redrawn": scan["weights_redrawn"],
                          "error": scan["error"], "start_s": round(time.time() - began, 1), "port": s.port,
                          "command": s.command, "env": s.env, "log": str(s.log)})

@@ -92,6 +92,7 @@ def test_a_tiny_run_journals_every_request_and_reports_equal_budgets(tiny_run):
     budgets = P.budgets(P.plan_from(P.PRESETS["two-mha"], TINY))
     for label, s in rep["servers"].items():
         assert s["pool_tokens"] == budgets[(s["variant"], s["model"])].device_tokens
+        assert s["cached_cap"] == budgets[(s["variant"], s["model"])].cached_tokens
     assert {s["host_gb"] for s in rep["servers"].values()} == {TINY["host_gb"]}
     # a kvcached slot's ballast leaves the pools exactly the budget
     held = [e for e in events if e["type"] == "ballast"]
@@ -190,6 +191,8 @@ def planted_events() -> list[dict]:
             ev.append({"type": "server", "label": f"{v}/{label}", "variant": v, "model": label, "event": "ready",
                        "pool_tokens": P.budgets(plan)[(v, label)].device_tokens,
                        "planned_tokens": P.budgets(plan)[(v, label)].device_tokens, "host_gb": 0.1,
+                       "cached_cap": P.budgets(plan)[(v, label)].cached_tokens,
+                       "planned_cached_tokens": P.budgets(plan)[(v, label)].cached_tokens,
                        "kvcached_lines": ["x"] if v == D else [], "weights_redrawn": [7]})
     # round 1, (b), bursts: m1 four answers and an error, m2 two answers; 2 s
     ev += [request(0, B, "bursts", m1, 0.1, (10, 20), device=64), request(0, B, "bursts", m1, 0.2, (30,), host=128),
@@ -256,6 +259,10 @@ def test_a_planted_journal_gives_the_hand_computed_numbers():
     assert c["mismatches"] == [{"round": 0, "model": m1, "key": "s0q1", "first_difference": 2, "device": 0,
                                 "host": 128}]
     assert rep["problems"]                  # the mismatch, the failed request, no end of run
+    # a kvcached server whose log shows no cap on cached tokens is one problem more
+    uncapped = planted_events()
+    next(e for e in uncapped if e["type"] == "server" and e["variant"] == D)["cached_cap"] = None
+    assert len(summary.summarize(uncapped)["problems"]) == len(rep["problems"]) + 1
 
 
 def test_the_percentile_and_the_verdicts_follow_their_definitions():
@@ -270,10 +277,11 @@ def test_the_percentile_and_the_verdicts_follow_their_definitions():
     log = "x\nKV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 10\n" \
           "y #retracted_reqs: 2, z\nmax_total_num_tokens=4096, chunked\n" \
           "Allocating kv hierarchical KV host pool: 10 tokens, 1.50 GB host memory.\n" \
-          "Allocating mamba hierarchical KV host pool: 5 tokens, 0.25 GB host memory.\n"
+          "Allocating mamba hierarchical KV host pool: 5 tokens, 0.25 GB host memory.\n" \
+          "[kvcached] UnifiedRadixCache evictable size capped at 1024 tokens (KVCACHED_MAX_CACHED_TOKENS)\n"
     assert summary.log_retractions(log) == 5
-    assert summary.log_facts(log) == {"pool_tokens": 4096, "host_gb": 1.75}
-    assert summary.log_facts("nothing") == {"pool_tokens": None, "host_gb": None}
+    assert summary.log_facts(log) == {"pool_tokens": 4096, "host_gb": 1.75, "cached_cap": 1024}
+    assert summary.log_facts("nothing") == {"pool_tokens": None, "host_gb": None, "cached_cap": None}
 
 
 # ---------------------------------------------------------------- plans and budgets

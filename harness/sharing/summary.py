@@ -103,16 +103,20 @@ def judge(ratios: list, op: str, bound: float) -> str:
 POOL = re.compile(r"max_total_num_tokens=(\d+)")
 HOST_POOL = re.compile(r"host pool: (\d+) tokens, ([\d.]+) GB host memory")
 RETRACTED = re.compile(r"#retracted_reqs: (\d+)")
+CACHED_CAP = re.compile(r"evictable size capped at (\d+) tokens")     # kvcached's KVCACHED_MAX_CACHED_TOKENS
 
 
 def log_facts(text: str) -> dict:
     """What a server's log says of its pools: the device pool's tokens (SGLang's
-    max_total_num_tokens line; None where absent) and its host pools' GB (summed: a
-    hybrid's KV and Mamba host pools; None with HiCache off)."""
+    max_total_num_tokens line; None where absent), its host pools' GB (summed: a hybrid's
+    KV and Mamba host pools; None with HiCache off) and kvcached's cap on cached tokens
+    (its patch's line; None where it set none)."""
     pool = POOL.search(text)
     hosts = HOST_POOL.findall(text)
+    cap = CACHED_CAP.search(text)
     return {"pool_tokens": int(pool.group(1)) if pool else None,
-            "host_gb": round(sum(float(gb) for _, gb in hosts), 3) if hosts else None}
+            "host_gb": round(sum(float(gb) for _, gb in hosts), 3) if hosts else None,
+            "cached_cap": int(cap.group(1)) if cap else None}
 
 
 def log_retractions(text: str) -> int:
@@ -267,6 +271,9 @@ def problems(report: dict) -> list[str]:
             host.setdefault(s["model"], {})[s["variant"]] = s.get("host_gb")
             if s.get("host_gb") is None:
                 out.append(f"{label}: no host pool in its log")
+        if v.kvcached and s.get("cached_cap") != s.get("planned_cached_tokens"):
+            out.append(f"{label}: kvcached's cap on cached tokens is {s.get('cached_cap')} in its log, planned "
+                       f"{s.get('planned_cached_tokens')}: an idle model may keep its pages")
         if bool(s.get("kvcached_lines")) != v.kvcached:
             out.append(f"{label}: kvcached {'on' if v.kvcached else 'off'}, but its log has "
                        f"{len(s.get('kvcached_lines') or [])} kvcached allocation lines")
@@ -319,7 +326,7 @@ def summary(report: dict) -> dict:
     not the journal's requests. render() and plot() take it as they take the report."""
     c = report["config"]
     keep_server = ("variant", "model", "event", "planned_tokens", "pool_tokens", "planned_host_gb", "host_gb",
-                   "start_s")
+                   "planned_cached_tokens", "cached_cap", "start_s")
     return {"config": {k: c.get(k) for k in ("plan", "labels", "budgets", "totals", "server_flags", "env")},
             "environment": {"versions": (report.get("environment") or {}).get("versions"),
                             "gpus": (report.get("environment") or {}).get("gpus")},
@@ -408,7 +415,7 @@ def render(data: dict) -> str:
                      f"other models under load) equal the native reference's (b, solo); their hits: device "
                      f"{fmt(cor['device_hit_tokens'])}, host {fmt(cor['host_hit_tokens'])} tokens.")
     lines += ["", "## Budgets", "", "| variant | model | --max-total-tokens (server's) | KV GiB alone | "
-              "--hicache-size GB (server's) | KVCACHED_MAX_CACHED_TOKENS |", "|---|---|---|---|---|---|"]
+              "--hicache-size GB (server's) | KVCACHED_MAX_CACHED_TOKENS (server's) |", "|---|---|---|---|---|---|"]
     servers = data.get("servers") or {}
     for v in variants:
         for label in labels:
@@ -416,7 +423,7 @@ def render(data: dict) -> str:
             s = servers.get(f"{v}/{label}", {})
             lines.append(f"| {name(v)} | {label} | {fmt(b['device_tokens'])} ({fmt(s.get('pool_tokens'))}) | "
                          f"{b['kv_bytes'] / 2 ** 30:.2f} | {fmt(b['host_gb'], 2)} ({fmt(s.get('host_gb'), 2)}) | "
-                         f"{fmt(b['cached_tokens'])} |")
+                         f"{fmt(b['cached_tokens'])} ({fmt(s.get('cached_cap'))}) |")
     lines += ["", "Every variant's KV memory: " + ", ".join(
         f"({VARIANTS[v].letter}) {t['kv_bytes'] / 2 ** 30:.3f} GiB" for v, t in c["totals"].items())
         + "; host: " + ", ".join(f"({VARIANTS[v].letter}) {t['host_gb']:g} GB" for v, t in c["totals"].items()) + "."]

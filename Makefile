@@ -13,7 +13,7 @@ endif
 include sglang.pin
 
 .PHONY: report all patched sglang venv lint-venv lint import-check apply-patches unapply-patches status check-patches \
-        import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server \
+        import-patches export-patches test test-gpu test-checkpoint mutants bench e2e soak bench-server bench-sharing \
         image ci clean
 
 all: patched
@@ -187,6 +187,21 @@ bench-server:
 	harness/trees.sh $(PYTHON) $(E2E_TREES)
 	$(PYTHON) -m harness.bench_server --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
 	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") --out $(BENCH_SERVER_OUT) $(BENCH_SERVER_ARGS)
+
+# Several models sharing one GPU (harness/sharing): a static split without and with HiCache,
+# kvcached without HiCache on SGLang as released, kvcached with the series and HiCache, the
+# same KV and host memory in each; load that shifts between the models and even load, in
+# rotated rounds; the same machine and trees as `make bench-server`. SHARING_ARGS e.g.
+# --preset smoke|two-mha|mix, --set rounds=3, --detach, --dry-run; E2E_SERVER_FLAGS: more
+# launch_server flags; SHARING_OUT: the run's folder (default build/sharing/<preset>). The
+# report again from a journal: python -m harness.sharing --rebuild OUT/journal.jsonl.
+SHARING_OUT ?=
+SHARING_ARGS ?= --preset two-mha
+bench-sharing:
+	harness/trees.sh $(PYTHON) $(E2E_TREES)
+	$(PYTHON) -m harness.sharing --pristine-path $(E2E_TREES)/pristine --patched-path $(E2E_TREES)/patched \
+	  $(if $(E2E_SERVER_FLAGS),--server-flags "$(E2E_SERVER_FLAGS)") $(if $(SHARING_OUT),--out $(SHARING_OUT)) \
+	  $(SHARING_ARGS)
 
 # The image (Dockerfile) with docker or podman: CONTAINER_ENGINE (default: docker when its
 # daemon answers, else podman), IMAGE_BUILD_FLAGS (podman's default: --isolation=chroot

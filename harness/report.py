@@ -21,6 +21,7 @@ from harness.project import ROOT, make_out
 SECTIONS = (
     ("compare", "Server comparison: native vs kvcached, every pool kind (`make e2e`)"),
     ("bench-server", "Server benchmark: SGLang's bench_serving, kvcached vs native (`make bench-server`)"),
+    ("sharing", "Several models sharing one GPU: static splits vs kvcached, HiCache off and on (`make bench-sharing`)"),
     ("transfer", "HiCache transfers (`make bench`)"),
     ("differential", "Differential gate on a GPU: pristine vs patched, SGLang's dense pools"),
     ("gpu-tier", "GPU tier (`make test-gpu`)"),
@@ -77,6 +78,12 @@ def bench_server(data: dict) -> str:
                        for r in data["reports"])
 
 
+def sharing(data: dict) -> str:
+    from harness.sharing import summary
+    return "\n\n".join((f"#### {r['label']}\n\n" if len(data["reports"]) > 1 else "") + demoted(summary.render(r))
+                       for r in data["reports"])
+
+
 def transfer(data: dict) -> str:
     from harness import transfer_bench
     return transfer_bench.table(transfer_bench.summary_rows(data))
@@ -128,7 +135,7 @@ def checkpoint(data: dict) -> str:
 
 
 RENDER = {"compare": compare, "bench-server": bench_server, "transfer": transfer, "differential": differential,
-          "gpu-tier": gpu_tier, "mutants": mutants, "checkpoint": checkpoint}
+          "gpu-tier": gpu_tier, "mutants": mutants, "checkpoint": checkpoint, "sharing": sharing}
 
 
 def history(entries: list[dict]) -> list[str]:
@@ -161,12 +168,14 @@ def render(docs: list[dict], entries: list[dict]) -> str:
 
 
 def plots(docs: list[dict], folder: Path) -> list[Path]:
-    """Each run's figure (bench-server: ratios; transfer: GB/s by batch) into folder; [] without matplotlib."""
+    """Each run's figure (bench-server: ratios; transfer: GB/s by batch; sharing: TTFT over
+    each phase) into folder; [] without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return []
     from harness import bench_server, plot, transfer_bench
+    from harness.sharing import summary as sharing_summary
     folder.mkdir(parents=True, exist_ok=True)
     made = []
     for doc in docs:
@@ -174,6 +183,11 @@ def plots(docs: list[dict], folder: Path) -> list[Path]:
             for r in doc["data"]["reports"]:
                 path = folder / f"{doc['name']}{'-' + r['label'] if len(doc['data']['reports']) > 1 else ''}.png"
                 if bench_server.plot(r, path):
+                    made.append(path)
+        elif doc["tool"] == "sharing":
+            for r in doc["data"]["reports"]:
+                path = folder / f"{doc['name']}{'-' + r['label'] if len(doc['data']['reports']) > 1 else ''}-ttft.png"
+                if sharing_summary.plot(r, path):
                     made.append(path)
         elif doc["tool"] == "transfer":
             rows = [r for r in transfer_bench.summary_rows(doc["data"]) if "GBps" in r]

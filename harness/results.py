@@ -9,7 +9,8 @@ Every summary holds, besides its tool's data:
   date          YYYY-MM-DD of the run
   tool          one of TOOLS: compare (make e2e), bench-server, transfer (make bench),
                 differential (the pristine-vs-patched gate on a GPU), gpu-tier (tests/gpu),
-                mutants (make mutants), checkpoint (the converted checkpoint on the CPU)
+                mutants (make mutants), checkpoint (the converted checkpoint on the CPU),
+                sharing (make bench-sharing: several models on one GPU, four variants)
   title         one line: what ran
   machine       {"gpu", "gpus" (count), "driver", "cuda"}; "cpu" for a CPU-only run
   versions      {"sglang", "kvcached", "sglang_kernel", "torch", ...} as the run recorded them
@@ -47,7 +48,7 @@ from harness.project import ROOT
 SCHEMA = 1
 RESULTS = ROOT / "results"
 HISTORY = RESULTS / "history.json"
-TOOLS = ("compare", "bench-server", "transfer", "differential", "gpu-tier", "mutants", "checkpoint")
+TOOLS = ("compare", "bench-server", "transfer", "differential", "gpu-tier", "mutants", "checkpoint", "sharing")
 FIELDS = {"schema": int, "name": str, "date": str, "tool": str, "title": str, "machine": dict, "versions": dict,
           "series": dict, "server_flags": (str, type(None)), "cuda_graphs": (bool, type(None)), "compiled_ops": str,
           "command": (str, type(None)), "raw": dict, "notes": str, "data": dict}
@@ -161,6 +162,12 @@ def bench_server_data(paths: list[Path]) -> dict:
     return {"reports": [{"label": Path(p).name.split(".")[0], **bench_server.summary(raw_json(p))} for p in paths]}
 
 
+def sharing_data(paths: list[Path]) -> dict:
+    """Each sharing run (its report.json, or its journal.jsonl: the report made again)."""
+    from harness.sharing import summary
+    return {"reports": [{"label": Path(p).name.split(".")[0], **summary.summary(summary.load(p))} for p in paths]}
+
+
 def transfer_data(paths: list[Path]) -> dict:
     """Saved transfer runs pooled (transfer_bench --table's rows), with the first run's setup."""
     from harness import transfer_bench
@@ -252,8 +259,12 @@ def series_of(patches) -> dict:
 def make(tool: str, name: str, raw_paths: list[Path], title: str, notes: str = "", **fields) -> dict:
     """A summary of a run's raw output; `fields` override what the report records."""
     data = {"compare": compare_data, "bench-server": bench_server_data, "transfer": transfer_data,
-            "differential": differential_data, "gpu-tier": gpu_tier_data, "mutants": mutants_data}[tool](raw_paths)
+            "differential": differential_data, "gpu-tier": gpu_tier_data, "mutants": mutants_data,
+            "sharing": sharing_data}[tool](raw_paths)
     first = raw_json(raw_paths[0]) if tool in ("compare", "bench-server") else {}
+    if tool == "sharing":
+        from harness.sharing import summary
+        first = summary.load(raw_paths[0])
     first = first if isinstance(first, dict) else {}
     doc = {"schema": SCHEMA, "name": name, "date": name[:10], "tool": tool, "title": title,
            **environment_fields(first), "series": series_of(first.get("patches")),

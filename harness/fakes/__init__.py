@@ -6,6 +6,9 @@
                       bench_serving asks of a server, streamed; bench_client.py: its client;
   soak_server.py      `sglang.launch_server` for the soak: streamed answers, device and host
                       caches under kvcached's limit, faults on demand;
+  sharing_server.py   `sglang.launch_server` for the sharing benchmark: its pools' log
+                      lines, streamed answers with device/host hits and retractions,
+                      kvcached's counters;
   mooncake_master.py  `mooncake_master`: serves, exits, never serves or ignores SIGTERM.
 
 `fake_tree(folder, server)` writes a folder holding an `sglang/` package whose
@@ -18,7 +21,7 @@ import shutil
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SERVERS = ("compare_server", "bench_server", "soak_server")
+SERVERS = ("compare_server", "bench_server", "soak_server", "sharing_server")
 
 
 def script(name: str) -> Path:

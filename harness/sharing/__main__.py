@@ -1,0 +1,5 @@
+import sys
+
+from harness.sharing.run import main
+
+sys.exit(main())

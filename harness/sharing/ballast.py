@@ -1,0 +1,83 @@
+"""The ballast: another process holding GPU memory, so that what the kvcached servers of
+a variant can map for KV is the plan's budget, no more: what an operator sharing a GPU
+with other work would see.
+
+    python -m harness.sharing.ballast --budget BYTES --mapped BYTES --utilization U
+
+kvcached maps a page only while the GPU's free memory stays above its headroom, the total
+times (1 - KVCACHED_GPU_UTILIZATION) (kvcached 0.1.6, csrc/page_allocator.cpp,
+get_avail_physical_pages; that headroom is what the servers' activations grow into). So,
+with the variant's servers up and flushed, their pools holding `mapped` bytes (kvcached's
+counters: used and reserved pages), the ballast holds
+
+    held = free - headroom - (budget - mapped)
+
+and the pools can map budget - mapped more: budget in all. It is sized once, when the
+variant's turn begins, and held unchanged until it ends: it knows nothing of the load.
+
+Prints one JSON line (free, total, headroom, held, left_for_kv: bytes) and holds the
+memory until its stdin closes or it is terminated. Exit 3 (the JSON has "error") when the
+GPU has less free memory than the budget needs. SHARING_FAKE_GPU="FREE,TOTAL" (bytes)
+stands in for cudaMemGetInfo in the CPU tests: nothing is allocated then.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+FAKE = "SHARING_FAKE_GPU"
+
+
+def headroom(total: int, utilization: float) -> int:
+    """The free memory kvcached leaves unmapped (its page allocator's headroom)."""
+    return int(total * (1.0 - utilization))
+
+
+def held(free: int, total: int, utilization: float, budget: int, mapped: int) -> int:
+    """Bytes the ballast holds so that kvcached can map budget - mapped more (negative:
+    the GPU is that much short of the budget)."""
+    return free - headroom(total, utilization) - (budget - mapped)
+
+
+def mem_info() -> tuple[int, int, object]:
+    """(free, total, the CUDA module or None) of the current GPU, or the fake's."""
+    if fake := os.environ.get(FAKE):
+        free, total = (int(float(x)) for x in fake.split(","))
+        return free, total, None
+    import torch
+
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    return free, total, torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=int, required=True, help="the variant's KV budget, bytes")
+    ap.add_argument("--mapped", type=int, default=0, help="bytes the variant's pools hold now")
+    ap.add_argument("--utilization", type=float, default=0.95, help="KVCACHED_GPU_UTILIZATION of the servers")
+    opts = ap.parse_args(argv)
+    free, total, torch = mem_info()
+    size = held(free, total, opts.utilization, opts.budget, opts.mapped)
+    report = {"free": free, "total": total, "headroom": headroom(total, opts.utilization), "budget": opts.budget,
+              "mapped": opts.mapped, "held": size}
+    if size < 0:
+        print(json.dumps({**report, "error": f"the GPU has {free} bytes free: {-size} short of the budget and "
+                                             "kvcached's headroom"}), flush=True)
+        return 3
+    keep = None
+    if torch is not None:
+        keep = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+    report["left_for_kv"] = free - (size if torch is None else 0) - report["headroom"]
+    print(json.dumps(report), flush=True)
+    sys.stdin.read()          # until the harness closes our stdin (or terminates us)
+    del keep
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""`make bench-sharing` (harness/sharing) on the CPU: the whole tool through stand-in servers
+(harness/fakes/sharing_server.py) on a tiny plan, its report computed again from a planted
+journal and from one cut short, the correctness sample catching a wrong answer, and the
+budget arithmetic that makes the variants' memory equal. What it finds on a GPU is in
+results/; its options and messages are not pinned here."""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harness import fakes, project, report, results, servers
+from harness.sharing import ballast, plan as P, run, summary, traffic
+from harness.soak.verdict import read_journal
+
+pytestmark = pytest.mark.project_files
+
+B, D = P.BASELINE, P.PRODUCT
+# two copies of harness/compare's tiny MHA config (16 KiB of KV a token, 1,024 tokens a
+# kvcached page); a 64 MiB budget: a static share of 2,048 tokens under a working set of
+# 2,688; the sample's prefixes (1,536 tokens) over kvcached's cap (1,024): they come back from host
+TINY = {"models": ["qwen2-tiny", "qwen2-tiny"], "variants": [B, D], "rounds": 2, "phases": ["bursts", "even"],
+        "even_rounds": 2, "phase_s": 1.5, "drain_s": 10, "windows": 2, "burst_rate": 12, "idle_rate": 2,
+        "wave_rate": 12, "even_rate": 6, "kv_budget_gib": 0.0625, "host_gb": 0.1, "groups": 4, "prefix_tokens": 512,
+        "conversations": 2, "turns": 2, "user_tokens": 32, "reply_tokens": 16, "max_new_tokens": 4,
+        "sample_groups": 3, "sample_prefix_tokens": 512, "sample_questions": 2, "sample_question_tokens": 32,
+        "sample_new_tokens": 4, "warmup_s": 0.5, "request_timeout_s": 30, "server_flags": []}
+FREE, TOTAL = 8_000_000_000, 10_000_000_000      # the stand-in GPU the ballast measures
+
+
+def run_tool(folder: Path, plan: dict, monkeypatch, **env) -> tuple[int, Path]:
+    """The tool, in this process as on a GPU machine, against stand-in servers."""
+    for name in ("pristine", "patched"):
+        fakes.fake_tree(folder / name, "sharing_server", patched=name == "patched")
+    shm = folder / "shm"
+    shm.mkdir(exist_ok=True)
+    monkeypatch.setattr(project, "check_trees", lambda pristine, patched: {"pristine": "fake", "patched": "fake"})
+    monkeypatch.setattr(servers, "machine", lambda python, tree=None: {"fake": True})
+    for var in ("FAKE_WRONG_ON", "FAKE_POOL_SHORT", "FAKE_RETRACT_EVERY", "FAKE_TOKEN_S", "KVCACHED_MAX_CACHED_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SHARING_FAKE_SHM", str(shm))
+    monkeypatch.setenv(ballast.FAKE, f"{FREE},{TOTAL}")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    out = folder / "out"
+    code = run.main(["--plan", str(folder / "plan.json"), "--pristine-path", str(folder / "pristine"),
+                     "--patched-path", str(folder / "patched"), "--out", str(out), "--shm-dir", str(shm),
+                     "--ready-timeout", "60", "--settle-s", "0", "--port", str(servers.free_port_block(4))])
+    return code, out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One whole run of the tiny plan (about 15 s), shared by the tests that read it."""
+    with pytest.MonkeyPatch.context() as mp:
+        code, out = run_tool(tmp_path_factory.mktemp("sharing"), TINY, mp, FAKE_RETRACT_EVERY="7")
+    return code, out, json.loads((out / "report.json").read_text()), read_journal(out / "journal.jsonl")
+
+
+# ---------------------------------------------------------------- the whole tool
+
+def test_a_tiny_run_journals_every_request_and_reports_equal_budgets(tiny_run):
+    code, out, rep, events = tiny_run
+    assert code == 0, rep["problems"]
+    assert rep["problems"] == [] and rep["complete"]
+    assert events[0]["type"] == "run" and events[-1]["type"] == "done"
+    # every variant twice, the order rotated
+    slots = [(e["round"], e["variant"], e["status"]) for e in events if e["type"] == "slot"]
+    assert slots == [(0, B, "done"), (0, D, "done"), (1, D, "done"), (1, B, "done")]
+    phases = {(e["round"], e["variant"], e["phase"]) for e in events if e["type"] == "phase"}
+    assert phases == {(r, v, p) for r in (0, 1) for v in (B, D) for p in ("bursts", "even")}
+    load = [e for e in events if e["type"] == "request" and e["role"] == "load"]
+    assert all(e["outcome"] == "ok" and e["ttft"] > 0 and e["out"] == 4 and len(e["itl_ms"]) == 3 for e in load)
+    # the same arrivals and prompts in every slot
+    arrivals: dict[tuple, list] = {}
+    for e in load:
+        arrivals.setdefault((e["round"], e["variant"]), []).append((e["phase"], e["model"], e["sched"], e["key"]))
+    assert len(arrivals) == 4 and len({tuple(sorted(a)) for a in arrivals.values()}) == 1
+    # both models in both phases, and the counts add up to the report's
+    for phase in ("bursts", "even"):
+        for v in (B, D):
+            for r in (0, 1):
+                got = rep["phases"][phase][v]["rounds"][r]
+                mine = [e for e in load if (e["round"], e["variant"], e["phase"]) == (r, v, phase)]
+                assert got["total"]["answered"] == len(mine) > 0
+                assert {m for m in got["models"] if got["models"][m]["answered"]} == {"qwen2-tiny-1", "qwen2-tiny-2"}
+    # the servers got the planned pools; (b) and (d) the same host memory
+    budgets = P.budgets(P.plan_from(P.PRESETS["two-mha"], TINY))
+    for label, s in rep["servers"].items():
+        assert s["pool_tokens"] == budgets[(s["variant"], s["model"])].device_tokens
+        assert s["cached_cap"] == budgets[(s["variant"], s["model"])].cached_tokens
+    assert {s["host_gb"] for s in rep["servers"].values()} == {TINY["host_gb"]}
+    # a kvcached slot's ballast leaves the pools exactly the budget
+    held = [e for e in events if e["type"] == "ballast"]
+    assert [e["variant"] for e in held] == [D, D]
+    assert all(e["left_for_kv"] + e["mapped"] == P.plan_from(P.PRESETS["two-mha"], TINY).budget_bytes for e in held)
+    assert all(e["headroom"] == 500_000_000 and e["left_for_kv"] == FREE - e["held"] - 500_000_000 for e in held)
+    # (d) answered the sample as the native reference did, some of it from host
+    c = rep["correctness"]
+    assert (c["verdict"], c["checked"], c["matched"]) == ("pass", 24, 24) and c["host_hit_tokens"] > 0
+    # HiCache served host hits under load; retractions found in the answers and in the logs
+    assert rep["phases"]["bursts"][D]["total"]["host_hit_tokens"]["median"] > 0
+    assert sum(x["retractions"] for p in rep["phases"].values() for e in p.values() for x in
+               (r["total"] for r in e["rounds"] if r)) > 0
+    assert sum(n for e in rep["slots"] for n in e["log_retractions"].values()) > 0
+
+
+def test_the_report_is_the_journals_and_goes_to_results_and_make_report(tiny_run, tmp_path):
+    _, out, rep, events = tiny_run
+    assert json.loads(json.dumps(summary.summarize(events))) == rep
+    assert (out / "summary.md").read_text() == summary.render(rep)
+    folder = tmp_path / "results"
+    for i, raw in enumerate((out / "report.json", out / "journal.jsonl")):
+        assert results.main(["add", "sharing", f"2999-01-0{i + 1}-cpu-sharing", str(raw), "--title", "tiny",
+                             "--out", str(folder)]) == 0
+    docs = results.load_all(folder)
+    assert [d["tool"] for d in docs] == ["sharing", "sharing"]
+    unlabelled = [{k: v for k, v in d["data"]["reports"][0].items() if k != "label"} for d in docs]
+    assert unlabelled[0] == unlabelled[1]              # the journal gives what the report gave
+    assert summary.render(docs[0]["data"]["reports"][0]) == summary.render(rep)
+    page = tmp_path / "results.md"
+    assert report.main(["--results", str(folder), "--out", str(page), "--plots", str(tmp_path / "plots")]) == 0
+    assert report.main(["--results", str(folder), "--out", str(page), "--check"]) == 0
+
+
+def test_a_journal_cut_short_keeps_what_it_measured(tiny_run, tmp_path):
+    _, out, full, _ = tiny_run
+    lines = (out / "journal.jsonl").read_text().splitlines(keepends=True)
+    # cut inside round 2's first phase, mid-line (a run killed while writing)
+    start = next(i for i, line in enumerate(lines) if json.loads(line).get("type") == "ballast"
+                 and json.loads(line)["round"] == 1)
+    cut = start + 5
+    (tmp_path / "journal.jsonl").write_text("".join(lines[:cut]) + lines[cut][: len(lines[cut]) // 2])
+    assert run.main(["--rebuild", str(tmp_path / "journal.jsonl")]) == 0
+    rebuilt = json.loads((tmp_path / "report.json").read_text())
+    assert not rebuilt["complete"] and rebuilt["problems"]
+    for phase in ("bursts", "even"):
+        for v in (B, D):
+            assert rebuilt["phases"][phase][v]["rounds"][0] == full["phases"][phase][v]["rounds"][0]
+            assert rebuilt["phases"][phase][v]["rounds"][1] is None
+    assert rebuilt["correctness"]["checked"] == 12 and rebuilt["correctness"]["verdict"] == "pass"
+
+
+def test_a_wrong_answer_from_host_fails_the_run(tmp_path, monkeypatch):
+    plan = {**TINY, "rounds": 1, "phases": ["even"], "phase_s": 1.0, "warmup_s": 0}
+    code, out = run_tool(tmp_path, plan, monkeypatch, FAKE_WRONG_ON=f"_{D}_qwen2-tiny-2")
+    rep = json.loads((out / "report.json").read_text())
+    assert code == 1
+    c = rep["correctness"]
+    assert c["verdict"] == "MISMATCH"
+    assert {m["model"] for m in c["mismatches"]} == {"qwen2-tiny-2"}
+    assert all(m["host"] > 0 for m in c["mismatches"]) and c["matched"] == c["checked"] - len(c["mismatches"])
+
+
+def test_a_server_whose_pool_is_not_the_planned_one_is_a_problem(tmp_path, monkeypatch):
+    plan = {**TINY, "rounds": 1, "phases": ["even"], "phase_s": 0.5, "warmup_s": 0, "sample_groups": 1,
+            "sample_questions": 1}
+    code, out = run_tool(tmp_path, plan, monkeypatch, FAKE_POOL_SHORT="native")
+    rep = json.loads((out / "report.json").read_text())
+    assert code == 1
+    short = {label for label, s in rep["servers"].items() if s["pool_tokens"] != s["planned_tokens"]}
+    assert short == {f"{B}/qwen2-tiny-1", f"{B}/qwen2-tiny-2"} and len(rep["problems"]) == 2
+
+
+# ---------------------------------------------------------------- the report's arithmetic
+
+def planted_plan() -> P.Plan:
+    return P.plan_from(P.PRESETS["two-mha"], {**TINY, "phases": ["bursts", "even"], "even_rounds": 1})
+
+
+def request(r, v, phase, model, ttft, itl=(), out=4, device=0, host=0, retractions=0, outcome="ok"):
+    e = {"type": "request", "role": "load", "round": r, "variant": v, "phase": phase, "model": model, "key": "k",
+         "sched": 0.0, "sent": 0.1, "in": 100, "outcome": outcome}
+    if outcome == "ok":
+        e.update(ttft=ttft, itl_ms=list(itl), out=out, device=device, host=host, cached=device + host,
+                 retractions=retractions)
+    return e
+
+
+def planted_events() -> list[dict]:
+    plan = planted_plan()
+    m1, m2 = plan.labels
+    config = run.config_of(plan, type("O", (), {"preset": "two-mha", "gpu": "0"})(), [], {})
+    ev = [{"type": "run", "config": config}]
+    for v in (B, D):
+        for label in plan.labels:
+            ev.append({"type": "server", "label": f"{v}/{label}", "variant": v, "model": label, "event": "ready",
+                       "pool_tokens": P.budgets(plan)[(v, label)].device_tokens,
+                       "planned_tokens": P.budgets(plan)[(v, label)].device_tokens, "host_gb": 0.1,
+                       "cached_cap": P.budgets(plan)[(v, label)].cached_tokens,
+                       "planned_cached_tokens": P.budgets(plan)[(v, label)].cached_tokens,
+                       "kvcached_lines": ["x"] if v == D else [], "weights_redrawn": [7]})
+    # round 1, (b), bursts: m1 four answers and an error, m2 two answers; 2 s
+    ev += [request(0, B, "bursts", m1, 0.1, (10, 20), device=64), request(0, B, "bursts", m1, 0.2, (30,), host=128),
+           request(0, B, "bursts", m1, 0.3), request(0, B, "bursts", m1, 0.4, (40,), retractions=1),
+           request(0, B, "bursts", m1, None, outcome="error"),
+           request(0, B, "bursts", m2, 1.5, (50,)), request(0, B, "bursts", m2, 0.5, (60,))]
+    ev.append({"type": "phase", "round": 0, "variant": B, "phase": "bursts", "duration": 2.0})
+    # round 1, (d), bursts: six answers of TTFT 0.1 s in 1.5 s
+    ev += [request(0, D, "bursts", m, 0.1) for m in (m1, m1, m1, m2, m2, m2)]
+    ev.append({"type": "phase", "round": 0, "variant": D, "phase": "bursts", "duration": 1.5})
+    # round 2: (b) four answers of 0.2 s in 2 s; (d) three of 0.5 s in 2 s
+    ev += [request(1, B, "bursts", m1, 0.2) for _ in range(4)]
+    ev.append({"type": "phase", "round": 1, "variant": B, "phase": "bursts", "duration": 2.0})
+    ev += [request(1, D, "bursts", m2, 0.5) for _ in range(3)]
+    ev.append({"type": "phase", "round": 1, "variant": D, "phase": "bursts", "duration": 2.0})
+    # even, round 1 only: (b) 10 answers in 5 s, (d) 9
+    ev += [request(0, B, "even", m1, 0.05) for _ in range(10)]
+    ev.append({"type": "phase", "round": 0, "variant": B, "phase": "even", "duration": 5.0})
+    ev += [request(0, D, "even", m1, 0.05) for _ in range(9)]
+    ev.append({"type": "phase", "round": 0, "variant": D, "phase": "even", "duration": 5.0})
+    # the sample: the reference's answers, (d)'s: one differs at its third token
+    ev += [{"type": "request", "role": "reference", "model": m1, "key": k, "outcome": "ok", "output_ids": [1, 2, 3]}
+           for k in ("s0q0", "s0q1")]
+    ev += [{"type": "request", "role": "sample", "round": 0, "model": m1, "key": "s0q0", "outcome": "ok",
+            "output_ids": [1, 2, 3], "device": 0, "host": 64},
+           {"type": "request", "role": "sample", "round": 0, "model": m1, "key": "s0q1", "outcome": "ok",
+            "output_ids": [1, 2, 4], "device": 0, "host": 128}]
+    return ev
+
+
+def test_a_planted_journal_gives_the_hand_computed_numbers():
+    rep = summary.summarize(planted_events())
+    m1, m2 = planted_plan().labels
+    b = rep["phases"]["bursts"][B]
+    one = b["rounds"][0]
+    assert one["models"][m1]["request_throughput"] == pytest.approx(4 / 2.0)
+    assert one["total"]["request_throughput"] == pytest.approx(6 / 2.0)
+    assert one["total"]["output_throughput"] == pytest.approx(24 / 2.0)
+    assert one["models"][m1]["ttft_mean_ms"] == pytest.approx(250)
+    assert one["models"][m1]["ttft_p50_ms"] == pytest.approx(250)
+    assert one["models"][m1]["ttft_p99_ms"] == pytest.approx(300 + 0.97 * 100)     # linear, between 300 and 400
+    assert one["total"]["ttft_p50_ms"] == pytest.approx(350)                        # 100 200 300 400 500 1500
+    assert one["total"]["ttft_p99_ms"] == pytest.approx(500 + 0.95 * 1000)
+    assert one["models"][m1]["itl_p50_ms"] == pytest.approx(25)
+    assert one["total"]["itl_p50_ms"] == pytest.approx(35)
+    assert one["total"]["slo_share"] == pytest.approx(5 / 7)                        # the error is a miss
+    assert (one["total"]["device_hit_tokens"], one["total"]["host_hit_tokens"], one["total"]["retractions"]) \
+        == (64, 128, 1)
+    # across rounds: values, median, spread; ratios to (b) of the same round
+    d = rep["phases"]["bursts"][D]["total"]["request_throughput"]
+    assert d["values"] == pytest.approx([6 / 1.5, 3 / 2.0])
+    assert d["ratios"] == pytest.approx([4.0 / 3.0, 1.5 / 2.0])
+    assert d["ratio"] == pytest.approx(statistics.median([4 / 3, 0.75]))
+    assert (d["ratio_min"], d["ratio_max"]) == pytest.approx((0.75, 4 / 3))
+    assert b["total"]["request_throughput"]["median"] == pytest.approx(2.5)
+    assert rep["phases"]["even"][D]["total"]["request_throughput"]["values"] == pytest.approx([1.8, None])
+    verdicts = {(t["phase"], t["metric"], t["op"]): t["verdict"] for t in rep["targets"]}
+    assert verdicts[("bursts", "request_throughput", ">")] == "met"                 # median 1.04
+    assert verdicts[("bursts", "ttft_p99_ms", "<")] == "within spread"              # 100/1450 then 500/200
+    assert verdicts[("bursts", "ttft_p99_ms", "<=")] == "within spread"
+    assert verdicts[("even", "request_throughput", ">=")] == "short (one round)"    # 0.9
+    c = rep["correctness"]
+    assert (c["verdict"], c["checked"], c["matched"]) == ("MISMATCH", 2, 1)
+    assert c["mismatches"] == [{"round": 0, "model": m1, "key": "s0q1", "first_difference": 2, "device": 0,
+                                "host": 128}]
+    assert rep["problems"]                  # the mismatch, the failed request, no end of run
+    # a kvcached server whose log shows no cap on cached tokens is one problem more
+    uncapped = planted_events()
+    next(e for e in uncapped if e["type"] == "server" and e["variant"] == D)["cached_cap"] = None
+    assert len(summary.summarize(uncapped)["problems"]) == len(rep["problems"]) + 1
+
+
+def test_the_percentile_and_the_verdicts_follow_their_definitions():
+    assert summary.percentile([], 50) is None
+    assert summary.percentile([5.0], 99) == 5.0
+    assert summary.percentile([1, 2, 3, 4], 50) == 2.5
+    assert summary.judge([1.2, 0.9, 1.1], ">", 1) == "met"
+    assert summary.judge([0.9, 0.8, 1.1], ">", 1) == "within spread"
+    assert summary.judge([0.9, 0.8], ">", 1) == "short"
+    assert summary.judge([None, 0.5], "<=", 0.5) == "met (one round)"
+    assert summary.judge([None], ">", 1) == "not measured"
+    log = "x\nKV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 10\n" \
+          "y #retracted_reqs: 2, z\nmax_total_num_tokens=4096, chunked\n" \
+          "Allocating kv hierarchical KV host pool: 10 tokens, 1.50 GB host memory.\n" \
+          "Allocating mamba hierarchical KV host pool: 5 tokens, 0.25 GB host memory.\n" \
+          "[kvcached] UnifiedRadixCache evictable size capped at 1024 tokens (KVCACHED_MAX_CACHED_TOKENS)\n"
+    assert summary.log_retractions(log) == 5
+    assert summary.log_facts(log) == {"pool_tokens": 4096, "host_gb": 1.75, "cached_cap": 1024}
+    assert summary.log_facts("nothing") == {"pool_tokens": None, "host_gb": None, "cached_cap": None}
+
+
+# ---------------------------------------------------------------- plans and budgets
+
+def plans() -> list[P.Plan]:
+    mix_two = P.plan_from(P.PRESETS["mix"], {"models": ["qwen3.5-4b-slim", "deepseek-v2-lite-slim"], "windows": 4,
+                                              "kv_budget_gib": 6.0})
+    return [*P.PRESETS.values(), mix_two, P.plan_from(P.PRESETS["two-mha"], TINY)]
+
+
+@pytest.mark.parametrize("plan", plans(), ids=lambda p: "+".join(p.models))
+def test_every_variant_gets_the_same_kv_and_host_memory(plan):
+    assert P.problems(plan) == []
+    totals = P.variant_totals(plan)
+    budgets = P.budgets(plan)
+    for v, t in totals.items():
+        var = P.VARIANTS[v]
+        mine = [budgets[(v, label)] for label in plan.labels]
+        if var.kvcached:
+            assert t["kv_bytes"] == plan.budget_bytes
+            # any one model may grow to the whole budget, whole pages
+            for b in mine:
+                m = plan.model(b.model)
+                assert 0 <= plan.budget_bytes - b.kv_bytes < m.page_size * m.kv_bytes_per_token
+        else:
+            # the shares, each whole pages under its n-th, add up to the budget less the rounding
+            slack = sum(plan.model(label).page_size * plan.model(label).kv_bytes_per_token for label in plan.labels)
+            assert 0 <= plan.budget_bytes - t["kv_bytes"] < slack
+            for b in mine:
+                assert b.kv_bytes <= plan.budget_bytes / len(plan.models)
+        assert t["host_gb"] == (plan.host_gb * len(plan.models) if var.hicache else 0)
+    # the even split, and kvcached's cap under it
+    for label in plan.labels:
+        static = budgets[(B, label)].device_tokens
+        assert budgets[(D, label)].cached_tokens == pytest.approx(plan.cached_fraction * static,
+                                                                  abs=plan.model(label).page_size)
+        assert plan.working_set() > static
+
+
+@pytest.mark.parametrize("free,mapped", [(60 << 30, 0), (60 << 30, 3 << 30), (5 << 30, 1 << 30)])
+def test_the_ballast_leaves_the_kvcached_pools_the_budget(free, mapped):
+    total, budget, util = 80 << 30, 4 << 30, 0.95
+    held = ballast.held(free, total, util, budget, mapped)
+    assert free - held - ballast.headroom(total, util) + mapped == budget
+
+
+def test_the_prompts_and_arrivals_are_the_seeds(tmp_path):
+    plan = planted_plan()
+    cat = traffic.build_catalogue(plan, 100_000, "1/0")
+    assert cat == traffic.build_catalogue(plan, 100_000, "1/0") != traffic.build_catalogue(plan, 100_000, "1/1")
+    tree = {p[:n] for p in cat.prompts.values() for n in range(1, len(p) + 1)}
+    assert len(tree) == plan.working_set()               # distinct prompt tokens: the shared ones once
+    for conversation in cat.conversations:               # each turn extends the one before
+        assert all(cat.prompts[b][:len(cat.prompts[a])] == cat.prompts[a] for a, b in zip(conversation, conversation[1:]))
+    plan = replace(plan, phase_s=60.0, burst_rate=20.0, idle_rate=0.0, windows=2)
+    first = traffic.arrivals(plan, "bursts", 0, 2, cat, "1/0")
+    assert first == traffic.arrivals(plan, "bursts", 0, 2, cat, "1/0")
+    # bursts: model 0 only in its windows (0-30 s), model 1 only in the others
+    assert first and all(t < 30 for t, _ in first)
+    assert all(t >= 30 for t, _ in traffic.arrivals(plan, "bursts", 1, 2, cat, "1/1"))
+    assert 400 < len(first) < 800                        # 20/s for 30 s
+
+
+def test_bad_input_is_refused_in_a_line_and_a_dry_run_starts_nothing(tmp_path, capsys):
+    for preset in P.PRESETS:
+        assert run.main(["--preset", preset, "--dry-run", "--out", str(tmp_path / preset)]) == 0
+        assert capsys.readouterr().err == ""
+    assert not [p for p in tmp_path.rglob("*") if p.suffix in (".log", ".jsonl")]
+    (tmp_path / "other.jsonl").write_text('{"type": "request"}\n')
+    for bad in (["--set", "rounds=0", "--dry-run"], ["--set", "nonsense=1", "--dry-run"],
+                ["--preset", "nonsense", "--dry-run"], ["--set", 'variants=["static"]', "--dry-run"],
+                ["--set", "kv_budget_gib=0.001", "--dry-run"], ["--plan", str(tmp_path / "missing.json"), "--dry-run"],
+                [],                                                         # no trees named
+                ["--rebuild", str(tmp_path / "other.jsonl")]):             # not a sharing journal
+        assert run.main([*bad, "--out", str(tmp_path / "bad")]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -7,6 +7,7 @@ Makefile does), e.g. `python -m harness.compare --help`.
   compare/           `make e2e`: native vs kvcached at the server, every pool kind
   soak/              `make soak`: several models on one GPU under load and faults
   bench_server.py    `make bench-server`: SGLang's bench_serving, kvcached vs native
+  sharing/           `make bench-sharing`: several models sharing one GPU with HiCache vs a static split
   transfer_bench.py  `make bench`: HiCache's host transfers; plot.py draws a run
   results.py         the committed summaries' schema (results/*.json), made from a run's report
   report.py          `make report`: docs/results.md rendered from the summaries (--check)

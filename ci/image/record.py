@@ -79,7 +79,11 @@ def write(log: Path, tag: str, engine: str, out: Path) -> int:
         return 2
     lines = log.read_text(errors="replace").splitlines()
     plain = [STAMP.sub(r"\2", line) for line in lines]
-    inspect = json.loads(engine_output(engine, "image", "inspect", tag))[0]
+    try:
+        inspect = json.loads(engine_output(engine, "image", "inspect", tag))[0]
+    except (ValueError, IndexError, KeyError) as err:
+        print(f"error: {engine} image inspect {tag} gave no image description ({err})", file=sys.stderr)
+        return 2
     tier = [line for line in plain if re.search(r"^\d+ passed", line)]
     status = [line for line in plain if ": series applied" in line]
     base = next((m.group(1) for line in plain if (m := re.match(r"^(?:STEP|Step) 1/\d+\s*:\s*FROM (\S+)", line))),

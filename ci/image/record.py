@@ -3,11 +3,12 @@
 
     make image ... | ci/image/record.py stamp            each line prefixed with the build's
                                                           elapsed seconds, "[+  12.3s] "
-    ci/image/record.py write [--log L] [--tag T] [--out R] after the build: the record
+    ci/image/record.py write [--log L] [--tag T] [--out R] after the build: the record (make
+                                                          image: R = IMAGE_RECORD, build/...)
     ci/image/record.py check [R]                          exit 1 when R's series digest is
                                                           not patches/' (make lint runs it)
 
-The record (default ci/image/record.json) says what was built and how: the engine and its
+The record (the committed one: ci/image/record.json) says what was built and how: the engine and its
 version, the base image, the image's id and size, each Dockerfile step's time (from the
 stamped log), what ran inside (the CPU tier's closing line and scripts/status's), the
 commit and the series digest the image holds. docs/image.md describes the image from it,
@@ -67,9 +68,14 @@ def steps(lines: list[str]) -> list[dict]:
 
 
 def engine_output(engine: str, *args: str) -> str:
-    proc = subprocess.run([engine, *args], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([engine, *args], capture_output=True, text=True)
+    except OSError as err:
+        proc = subprocess.CompletedProcess([engine], 127, "", str(err))
     if proc.returncode != 0:
-        raise SystemExit(f"error: {engine} {' '.join(args)}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        print(f"error: {engine} {' '.join(args)}: {why}", file=sys.stderr)
+        raise SystemExit(2)
     return proc.stdout.strip()
 
 
@@ -105,8 +111,9 @@ def write(log: Path, tag: str, engine: str, out: Path) -> int:
         print(f"error: {log} holds no CPU tier result or no applied series: not a finished image build",
               file=sys.stderr)
         return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}: {tag} {record['image_id'][:19]}, {record['size_bytes'] / 1e9:.2f} GB, "
+    print(f"wrote {out}: {tag} {str(record['image_id'])[:19]}, {(record['size_bytes'] or 0) / 1e9:.2f} GB, "
           f"series {record['series']['patches']} {record['series']['digest'][:16]}")
     return 0
 
@@ -118,11 +125,16 @@ def check(path: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as err:
         print(f"error: {path} is not an image record ({err})", file=sys.stderr)
         return 2
-    now = series_digest()
+    try:
+        now = series_digest()
+    except Exception as err:  # the series scripts' own refusal (an edited patches/series, ...)
+        print(f"error: cannot read patches/: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+              file=sys.stderr)
+        return 2
     if recorded != now["digest"]:
         print(f"error: {path} records an image of series {recorded[:16]}, patches/ is {now['digest'][:16]}: "
-              "rebuild it (make image, then ci/image/record.py write) or say in docs/image.md which series "
-              "the image holds", file=sys.stderr)
+              "rebuild the image with the series as it is (make image IMAGE_RECORD=ci/image/record.json)",
+              file=sys.stderr)
         return 1
     print(f"image record: series {now['patches']} {recorded[:16]}, as patches/")
     return 0
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--log", type=Path, default=ROOT / "build" / "image-build.log")
     w.add_argument("--tag", default=None)
     w.add_argument("--engine", default="podman")
-    w.add_argument("--out", type=Path, default=RECORD)
+    w.add_argument("--out", type=Path, default=ROOT / "build" / "image-record.json")
     c = sub.add_parser("check")
     c.add_argument("record", nargs="?", type=Path, default=RECORD)
     args = parser.parse_args(argv)

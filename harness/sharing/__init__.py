@@ -58,7 +58,9 @@ On one H100 (or H200). Here first, once: `bash ../shared/device/e2e/build.sh` an
 
 `--preset smoke` first (harness/compare's tiny MHA config twice, one round: about 7
 minutes with the servers' start), then `two-mha` (two Llama-3.2-1B-shaped servers a
-variant, eight at once: about 18 minutes) and `mix` (MHA, MLA and the Mamba hybrid,
+variant, eight at once: about 18 minutes; on an H100 no variant found its load heavy),
+`two-mha-overload` (the same at 2 GiB and 48 requests/s a burst, a load that overloads a
+static share) and `mix` (MHA, MLA and the Mamba hybrid,
 twelve servers at once: about 85 GiB, an H200; about 19 minutes). `--dry-run` prints
 every server's command and environment, the budgets, the memory and time estimates, and
 starts nothing. Under the bursts and waves the offered load must overload a static share

@@ -493,7 +493,8 @@ def plot(data: dict, path: Path) -> bool:
             ax.set_xlabel("s into the phase (sent)")
             if j == 0:
                 ax.set_ylabel("TTFT ms (p50; max dotted)")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:      # a slot not run has no line
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

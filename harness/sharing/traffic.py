@@ -168,9 +168,12 @@ async def generate(session, base: str, ids, max_new_tokens: int, timeout: float)
 
 
 def _session():
+    """One connection a request, as SGLang's bench_serving opens one session a request: a
+    pooled keep-alive connection that the server closed while idle fails the next request
+    sent on it (ServerDisconnectedError), which is the client's doing, not the server's."""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), read_bufsize=1 << 20)
 
 
 def _rounded(rec: dict) -> dict:

@@ -19,6 +19,8 @@ GPU (CUDA graphs as SGLang captures them by default), from the trees the compari
   kvcached-contiguous-reserved  kvcached-contiguous with every freed page kept mapped
                        (KVCACHED_MAX_RESERVED_PAGES); only when named: kvcached's unmapping
                        and mapping again, apart from the rest of its cost
+  kvcached-default-cap kvcached-contiguous with kvcached's own cap of 16000 cached tokens
+                       (what the image serves with unless told); only when named
 Every server caps its device pool (--max-total-tokens, --device-tokens) below the working
 set, so that most prefix hits come back from host, and gets a host pool that holds the
 working set (--hicache-ratio, by default the smallest that does, with a fifth to spare).
@@ -133,12 +135,16 @@ class Variant:
 # churns through both. kvcached caps the setting at the pool's page count, so this keeps every
 # page that was ever used mapped, as a native pool is.
 KEEP_PAGES_MAPPED = (("KVCACHED_MAX_RESERVED_PAGES", "1000000"),)
+# kvcached 0.1.6's own cap on the tokens SGLang keeps cached (what a server gets unless told
+# otherwise, the image's too); every other kvcached variant takes --kvcached-max-cached-tokens.
+KVCACHED_DEFAULT_CAP = (("KVCACHED_MAX_CACHED_TOKENS", "16000"),)
 
 VARIANTS = {v.name: v for v in (
     Variant("native", "pristine", None, True),
     Variant("kvcached-contiguous", "patched", "contiguous", True),
     Variant("kvcached-per-layer", "patched", "per-layer", True),
     Variant("kvcached-contiguous-reserved", "patched", "contiguous", True, kvcached_env=KEEP_PAGES_MAPPED),
+    Variant("kvcached-default-cap", "patched", "contiguous", True, kvcached_env=KVCACHED_DEFAULT_CAP),
     Variant("native-no-hicache", "pristine", None, False),
     Variant("kvcached-no-hicache", "patched", "contiguous", False, baseline="native-no-hicache"),
 )}

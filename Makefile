@@ -192,7 +192,7 @@ bench-server:
 # kvcached without HiCache on SGLang as released, kvcached with the series and HiCache, the
 # same KV and host memory in each; load that shifts between the models and even load, in
 # rotated rounds; the same machine and trees as `make bench-server`. SHARING_ARGS e.g.
-# --preset smoke|two-mha|mix, --set rounds=3, --detach, --dry-run; E2E_SERVER_FLAGS: more
+# --preset smoke|two-mha|two-mha-overload|mix, --set rounds=3, --detach, --dry-run; E2E_SERVER_FLAGS: more
 # launch_server flags; SHARING_OUT: the run's folder (default build/sharing/<preset>). The
 # report again from a journal: python -m harness.sharing --rebuild OUT/journal.jsonl.
 SHARING_OUT ?=

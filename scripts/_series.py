@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
 SERIES_FILE = PATCH_DIR / "series"
+SUMS_FILE = "series.sha256"
 PACKAGE = "python/sglang/"  # every patched path starts so: git apply -p3 strips a/python/sglang/
 RECORD = ".sglang-series"
 LEFTOVERS = (".orig", ".rej")
@@ -104,7 +105,39 @@ def read_series(patches: Path = PATCH_DIR) -> list[Path]:
                  f"lists {', '.join(absent)}, not in {patches}" if absent else f"lists {', '.join(misplaced)}")
         raise SeriesError(f"{patches / 'series'} {wrong}: it must list each patch there once, in their numbered "
                           "order, as scripts/export-patches writes it (git checkout -- patches/ restores a checkout's)")
+    check_sums(patches, listed)
     return [patches / name for name in listed]
+
+
+def sums_text(patches: Path, names: list[str]) -> str:
+    """`sha256sum series PATCH...` in patches/: what export-patches writes to series.sha256 (its
+    sha256 is the series' digest)."""
+    return "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *names])
+
+
+def check_sums(patches: Path, listed: list[str]) -> None:
+    """The series is the one export-patches wrote: series.sha256 names every file and its sha256
+    (`cd patches && sha256sum -c series.sha256`), so a patch dropped and the rest renumbered,
+    an edited patch or an emptied series is refused, named, before anything is applied."""
+    sums = patches / SUMS_FILE
+    if not sums.is_file():
+        raise SeriesError(f"{sums} is missing: scripts/export-patches writes it with the series "
+                          "(git checkout -- patches/ restores a checkout's)")
+    expected = {}
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
+        if not (match := re.fullmatch(r"([0-9a-f]{64})  (\S+)", line)):
+            raise SeriesError(f"{sums}:{number}: not a line of sha256sum (HASH, two spaces, a file name)")
+        expected[match[2]] = match[1]
+    names = ["series", *listed]
+    changed = [n for n in names if n in expected and expected[n] != sha((patches / n).read_bytes())]
+    added, dropped = [n for n in names if n not in expected], [n for n in expected if n not in names]
+    if changed or added or dropped:
+        what = "; ".join(part for part in (
+            f"{', '.join(changed)} changed" if changed else "", f"{', '.join(added)} not in it" if added else "",
+            f"{', '.join(dropped)} dropped" if dropped else "") if part)
+        raise SeriesError(f"{patches / 'series'} is not the series export-patches wrote ({SUMS_FILE}: {what}); "
+                          "change the series in the work folder and export it (docs/contributing.md), or "
+                          "git checkout -- patches/ restores a checkout's")
 
 
 def patch_name(number: int, subject: str) -> str:
@@ -198,8 +231,7 @@ class Series:
             for text in sections:
                 self._add(path.name, text)
         # The digest (the record's, the reports'): the sha256 of `sha256sum series PATCH...` in patches/.
-        listing = "".join(f"{sha((patches / n).read_bytes())}  {n}\n" for n in ["series", *self.patches])
-        self.files, self.digest = list(self.by_file), sha(listing.encode())
+        self.files, self.digest = list(self.by_file), sha(sums_text(patches, self.patches).encode())
 
     def _add(self, patch: str, text: bytes) -> None:
         head = text.split(b"\n@@", 1)[0].decode(errors="replace")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.series_trees import (FAKE_PATCHES, LAYOUTS, REAL, RECORD, digest, fake, git,  # noqa: F401
-                                        git_apply, needs_pristine, package, synthetic)
+                                        git_apply, needs_pristine, package, relock, synthetic)
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -401,6 +401,59 @@ def test_a_dropped_patch_that_a_later_one_builds_on_is_named_not_blamed_on_sglan
     assert digest(tree) == before
 
 
+def test_a_series_edited_past_its_listing_is_refused_by_its_sums(tmp_path):
+    """series.sha256 holds what export-patches wrote: a patch dropped and the later ones renumbered
+    to close the gap (which the listing check cannot see), an edited hunk, an emptied series or
+    missing sums are each refused in one line that names the series, before anything is written,
+    and not blamed on SGLang's file."""
+    edits = [("pool: one", {"srt/pool.py": [("return 1\n", "return 2 * 1\n")]}),
+             ("kernels: first", {"srt/kernels/copy.cuh": [("x + 3;", "x + 3 + 1;")]}),
+             ("kernels: builds on the first", {"srt/kernels/copy.cuh": [("x + 3 + 1;", "x + 3 + 2;")]})]
+    fake = synthetic(tmp_path / "series", edits)
+    tree, patches = fake.tree(tmp_path / "tree"), fake.root / "patches"
+    before, names = digest(tree), [p.name for p in fake.patches]
+    assert fake.run("status", tree).returncode == 3  # sound as exported
+    kept = {p.name: p.read_bytes() for p in patches.iterdir()}
+
+    def restore():
+        for p in patches.iterdir():
+            p.unlink()
+        for name, data in kept.items():
+            (patches / name).write_bytes(data)
+
+    def renumbered():
+        (patches / names[1]).unlink()
+        moved = "0002" + names[2][4:]
+        (patches / names[2]).rename(patches / moved)
+        (patches / "series").write_text(f"{names[0]}\n{moved}\n")
+        return [moved, names[1], names[2]]
+
+    def hunk_edited():
+        (patches / names[0]).write_text((patches / names[0]).read_text().replace("return 2 * 1", "return 3 * 1"))
+        return [names[0], "changed"]
+
+    def emptied():
+        for name in names:
+            (patches / name).unlink()
+        (patches / "series").write_text("")
+        return [*names, "dropped"]
+
+    def sums_removed():
+        (patches / "series.sha256").unlink()
+        return ["series.sha256 is missing"]
+
+    for damage in (renumbered, hunk_edited, emptied, sums_removed):
+        named = damage()
+        for verb in ("apply", "status", "reverse"):
+            proc = fake.run(verb, tree)
+            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (damage.__name__, verb, proc.stderr)
+            assert all(word in proc.stderr for word in named), (damage.__name__, proc.stderr)
+            assert "copy.cuh" not in proc.stderr and "force-reinstall" not in proc.stderr, proc.stderr
+        restore()
+    assert digest(tree) == before
+    assert fake.run("apply", tree).returncode == 0
+
+
 @pytest.mark.parametrize("damage", ["not json", "no patches", "a file's entry not a dict"])
 def test_an_unreadable_record_is_named_and_left_alone(fake, tmp_path, damage):
     """Not JSON, or JSON of another shape (edited by hand, another tool's): read before anything is
@@ -541,6 +594,7 @@ def test_a_file_is_trusted_only_as_the_blob_the_series_names_for_sglangs_own(fak
     first = fake.patches[0]
     old = re.search(r"^index ([0-9a-f]{40})\.\.", first.read_text(), re.M)[1]
     first.write_text(first.read_text().replace(f"index {old}..", f"index {'1' * 40}..", 1))
+    relock(fake.root / "patches")
     before = digest(tree)
     status = fake.run("status", tree)
     assert status.returncode == 3 and "conflicting" in first_line(status), status.stdout
@@ -633,6 +687,7 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
 
     pulled = fake.patches[1]
     pulled.write_text(pulled.read_text() + "-- \na change pulled after the import\n")
+    relock(patches)  # a pull brings the series' sums with it
     refused(exported(), "patches/ changed since")
     assert pulled.read_text().endswith("a change pulled after the import\n")
     assert exported("--force").returncode == 0 and "pulled after" not in pulled.read_text()
@@ -642,13 +697,14 @@ def test_export_patches_writes_only_where_it_may(fake, tmp_path):
     assert (patches / "series").read_text().split() == sorted(p.name for p in patches.glob("0*.patch"))
     assert len(fake.patches) == 2
     pulled.write_text(pulled.read_text() + "-- \nanother pull\n")
+    relock(patches)
     refused(exported(), "patches/ changed since")  # each export records what it wrote
 
     other = tmp_path / "other"
     other.mkdir()
     git(other, "init", "-q")
     refused(exported(into=other), "is not a work folder of this series")
-    assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series"]
+    assert sorted(p.name for p in patches.iterdir()) == sorted(p.name for p in fake.patches) + ["series", "series.sha256"]
 
 
 def test_an_import_stopped_by_a_conflict_goes_on_with_the_rest_of_the_series(fake, tmp_path):

@@ -110,6 +110,13 @@ def git(folder: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True, text=True, env=env).stdout
 
 
+def relock(patches: Path) -> None:
+    """patches/series.sha256 for the series as patches/series lists it, as export-patches writes it
+    (a test that stands for a new series, not an edit of one, takes this step too)."""
+    names = [n.strip() for n in (patches / "series").read_text().splitlines() if n.strip()]
+    (patches / _series.SUMS_FILE).write_text(_series.sums_text(patches, names))
+
+
 def synthetic(dest: Path, patches=FAKE_PATCHES) -> Series:
     """A copy of this repository's scripts whose patches/ is a synthetic series over a fake SGLang."""
     upstream, root = dest / "upstream", dest / "repo"
@@ -133,6 +140,7 @@ def synthetic(dest: Path, patches=FAKE_PATCHES) -> Series:
     git(upstream, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat", "--full-index",
         "--abbrev=40", "--no-numbered", "-o", str(out), "base..HEAD")
     (out / "series").write_text("".join(f"{p.name}\n" for p in sorted(out.glob("*.patch"))))
+    relock(out)
     shutil.copytree(ROOT / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "sglang.pin", root / "sglang.pin")
     git(upstream, "checkout", "-q", "base")

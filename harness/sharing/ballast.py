@@ -1,6 +1,6 @@
 """The ballast: another process holding GPU memory, so that what the kvcached servers of
-a variant can map for KV is the plan's budget, no more: what an operator sharing a GPU
-with other work would see.
+a variant (the sharing benchmark) or of a soak's shared phase can map for KV is the
+budget, no more: what an operator sharing a GPU with other work would see.
 
     python -m harness.sharing.ballast --budget BYTES --mapped BYTES --utilization U
 
@@ -13,7 +13,8 @@ counters: used and reserved pages), the ballast holds
     held = free - headroom - (budget - mapped)
 
 and the pools can map budget - mapped more: budget in all. It is sized once, when the
-variant's turn begins, and held unchanged until it ends: it knows nothing of the load.
+variant's turn (the soak's shared phase) begins, and held unchanged until it ends: it
+knows nothing of the load. `Holder` starts it from a harness and stops it.
 
 Prints one JSON line (free, total, headroom, held, left_for_kv: bytes) and holds the
 memory until its stdin closes or it is terminated. Exit 3 (the JSON has "error") when the
@@ -25,7 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
+import subprocess
 import sys
+from pathlib import Path
+
+from harness import project, servers
 
 FAKE = "SHARING_FAKE_GPU"
 
@@ -77,6 +83,49 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdin.read()          # until the harness closes our stdin (or terminates us)
     del keep
     return 0
+
+
+class Holder:
+    """The ballast as a harness runs it: one at a time, on one GPU, stopped by closing its
+    stdin."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, python: str, budget: int, mapped: int, utilization: float, gpu: str | None, log: Path,
+              timeout: float) -> dict:
+        """Start it (`mapped`: what the pools hold now); what it said, with "mapped", and
+        with "error" where it holds nothing."""
+        command = [python, "-m", "harness.sharing.ballast", "--budget", str(budget), "--mapped", str(mapped),
+                   "--utilization", f"{utilization:g}"]
+        env = servers.local_env({}, [str(project.ROOT)], gpus=gpu)
+        with open(log, "a") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                                    text=True, start_new_session=True)
+        line = ""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if sel.select(timeout=timeout):
+                line = proc.stdout.readline()
+        try:
+            info = json.loads(line)
+        except ValueError:
+            info = {"error": f"the ballast said nothing it could read ({line.strip()[:200]!r}; {log})"}
+        if "error" in info:
+            servers.stop(proc, grace=5)
+        else:
+            self.proc = proc
+        return {"mapped": mapped, **info}
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            servers.stop(proc, grace=5)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,17 @@ def remove_segments(shm_dir: str, name: str) -> list[str]:
     return removed
 
 
+def mapped_bytes(shm_dir: str, names) -> int:
+    """Bytes the named instances have mapped (pages in use and in reserve, every segment)."""
+    total = 0
+    for name in names:
+        for seg in segment_names(shm_dir, name):
+            rec = read_segment(os.path.join(shm_dir, seg))
+            if rec:
+                total += rec[1] + rec[2]
+    return total
+
+
 @dataclass
 class Instance:
     """One kvcached instance (one server) under the budget."""

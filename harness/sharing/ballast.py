@@ -18,8 +18,10 @@ knows nothing of the load. `Holder` starts it from a harness and stops it.
 
 Prints one JSON line (free, total, headroom, held, left_for_kv: bytes) and holds the
 memory until its stdin closes or it is terminated. Exit 3 (the JSON has "error") when the
-GPU has less free memory than the budget needs. SHARING_FAKE_GPU="FREE,TOTAL" (bytes)
-stands in for cudaMemGetInfo in the CPU tests: nothing is allocated then.
+GPU has less free memory than the budget needs. In the CPU tests nothing is allocated:
+SHARING_FAKE_GPU="FREE,TOTAL" (bytes) stands in for cudaMemGetInfo; SOAK_FAKE_GPU=TOTAL
+for a GPU shared with the soak's stand-in servers (harness/fakes/soak_server.py), whose
+memory in use is the records in SOAK_FAKE_SHM (their pages), the ballast's own among them.
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ import sys
 from pathlib import Path
 
 from harness import project, servers
+from harness.soak import kvc
 
 FAKE = "SHARING_FAKE_GPU"
+FAKE_SHARED, FAKE_SHM = "SOAK_FAKE_GPU", "SOAK_FAKE_SHM"
 
 
 def headroom(total: int, utilization: float) -> int:
@@ -52,6 +56,9 @@ def mem_info() -> tuple[int, int, object]:
     if fake := os.environ.get(FAKE):
         free, total = (int(float(x)) for x in fake.split(","))
         return free, total, None
+    if total := int(os.environ.get(FAKE_SHARED) or 0):
+        records = [kvc.read_segment(p) for p in Path(os.environ[FAKE_SHM]).iterdir()]
+        return total - sum(r[1] + r[2] for r in records if r), total, None
     import torch
 
     torch.cuda.init()
@@ -78,9 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         keep = torch.empty(size, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         free = torch.cuda.mem_get_info()[0]
+    elif os.environ.get(FAKE_SHARED) and not os.environ.get(FAKE):
+        keep = Path(os.environ[FAKE_SHM]) / f"ballast{os.getpid()}"
+        keep.write_bytes(kvc.RECORD.pack(0, size, 0))
     report["left_for_kv"] = free - (size if torch is None else 0) - report["headroom"]
     print(json.dumps(report), flush=True)
     sys.stdin.read()          # until the harness closes our stdin (or terminates us)
+    if isinstance(keep, Path):
+        keep.unlink()
     del keep
     return 0
 

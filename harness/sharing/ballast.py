@@ -125,6 +125,8 @@ class Holder:
             info = {"error": f"the ballast said nothing it could read ({line.strip()[:200]!r}; {log})"}
         if "error" in info:
             servers.stop(proc, grace=5)
+            proc.stdin.close()
+            proc.stdout.close()
         else:
             self.proc = proc
         return {"mapped": mapped, **info}
@@ -138,6 +140,7 @@ class Holder:
             proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             servers.stop(proc, grace=5)
+        proc.stdout.close()
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ The shared servers together get a budget B, --budget-fraction of what their pool
     servers, two bursting together can still push the third below its floor: the GPU
     decides then.) The scarcity is the GPU's: a ballast process holds the rest of it, so
     that the servers together can map B and no more, sized once from kvcached's counters
-    with the servers up and flushed (run.py). An idle server gives pages back only
-    through kvcached's cap and SGLang's eviction; what one frees, another maps (`moves`).
+    with the servers warmed up and idle (run.py). An idle server gives pages back only
+    through kvcached's cap and SGLang's eviction, and a pool keeps up to
+    KVCACHED_MAX_RESERVED_PAGES (10) freed pages mapped in reserve: only the pages beyond
+    go back to the GPU, for another server to map (`moves`). The default budget, half of
+    what the pools want, is meant to lie above what the servers hold idle (cached tokens
+    and reserves) and below that plus a burst: a first guess for the tiny models, which
+    the counters of a GPU run confirm or correct (--budget-fraction).
   arbiter: a controller that knows the load (`Arbiter`, the first GPU runs). Every
     instance keeps a floor (--floor-tokens, 6144 by default); the rest of the budget (the
     spare) goes to one live instance at a time, in turn (the one whose clients are in

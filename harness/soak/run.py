@@ -13,9 +13,10 @@ GPU, --budget-mode arbiter: floors of --floor-tokens and the spare following the
 window), and per model an unshared native server (the oracle) and an unshared kvcached one.
 Phases (run.py): start all; solo (each catalogue prompt answered alone by the native
 reference); reference load (--ref-duration per model, native and unshared kvcached side by
-side, then the unshared kvcached one stops); shared (the shared servers flushed, the
-budget set, then --duration: clients on every shared server, bursts rotating, faults:
-faults.py); after (a killed server's restart awaited and its answers checked, `rejoin`).
+side, then the unshared kvcached one stops); warmup (fixed mode: --warmup-s of every client
+on every shared server); shared (the budget set, then --duration: clients on every shared
+server, bursts rotating, faults: faults.py); after (a killed server's restart awaited and
+its answers checked, `rejoin`).
 Traffic: traffic.py; the oracle and the report: verdict.py; the report: docs/harness.md.
 
 Files, written as the run goes (a crash of the harness loses nothing): OUT (the report, rewritten
@@ -44,7 +45,6 @@ from harness.soak import faults, kvc, traffic, verdict
 from harness.soak import fleet as fleets
 
 DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny")     # MHA, MLA, the Mamba hybrid
-MODES = {"fixed": {"budget_fraction": 0.25}, "arbiter": {"budget_fraction": 0.5, "floor_tokens": 6144}}
 SOAK_CASES = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny")
 
 
@@ -87,6 +87,7 @@ class Soak:
                 "max_total_tokens": o.max_total_tokens, "budget_mode": o.budget_mode,
                 "budget_fraction": o.budget_fraction, "floor_tokens": o.floor_tokens,
                 "max_cached_tokens": o.max_cached_tokens, "gpu_utilization": o.gpu_utilization,
+                "warmup_s": o.warmup_s,
                 "hicache_ratio": o.hicache_ratio,
                 "small_host_ratio": o.small_host_ratio, "max_new_tokens": o.max_new_tokens,
                 "abort_rate": o.abort_rate, "deterministic": not o.no_deterministic, "seed": o.seed,
@@ -182,16 +183,23 @@ class Soak:
             if s.role == "ref-kvcached":
                 s.stop()
 
+    def warm_up(self, shared: list) -> None:
+        """Fixed mode: every client on every shared server at once for --warmup-s (answers
+        checked as any), so that each server's allocator has grown to what the load needs
+        before the ballast is sized: what it took later would come out of the budget, since
+        kvcached maps only while the GPU's free memory stays above its headroom. (Not
+        /flush_cache after it: SGLang's flush empties torch's cache too.)"""
+        if self.opts.warmup_s > 0:
+            self.begin("warmup")
+            self.load.run_clients([(s, "warmup", (0, 1)) for s in shared], self.opts.warmup_s)
+            self.end("warmup")
+
     def hold_gpu(self, shared: list) -> dict:
-        """Fixed mode: the shared servers flushed and left --settle-s to unmap, their limits
-        fixed, then the ballast sized from what they map now (kvcached's counters), so that
-        together they can map the budget and no more."""
+        """Fixed mode: the shared servers idle for --settle-s (kvcached's cap trims their
+        cached tokens, freed pages are unmapped), their limits fixed, then the ballast sized
+        from what they map now (kvcached's counters), so that together they can map the
+        budget and no more."""
         o = self.opts
-        for s in shared:
-            try:
-                s.post("/flush_cache?timeout=30", {}, timeout=90)
-            except servers.UNREACHABLE as exc:
-                self.journal.write({"type": "note", "what": f"{s.label}: /flush_cache failed: {exc}"})
         self.fleet.stopping.wait(o.settle_s)
         self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens))
         mapped = kvc.mapped_bytes(o.shm_dir, [s.ipc_name for s in shared])
@@ -200,8 +208,10 @@ class Soak:
 
     def shared(self) -> None:
         o = self.opts
-        self.begin("shared")
         shared = self.fleet.shared()
+        if o.budget_mode == "fixed":
+            self.warm_up(shared)
+        self.begin("shared")
         if o.budget_mode == "fixed":
             self.config["ballast"] = self.hold_gpu(shared)
         else:
@@ -328,12 +338,11 @@ def options(argv=None):
     ap.add_argument("--burst-clients", type=int, default=6, help="more clients per server during its burst window")
     ap.add_argument("--burst-period", type=float, help="seconds of each burst window (default: duration/8, 8..30)")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="each server's device pool")
-    ap.add_argument("--budget-mode", choices=tuple(MODES), default="fixed",
+    ap.add_argument("--budget-mode", choices=("fixed", "arbiter"), default="fixed",
                     help="fixed: each limit set once, the GPU held to the budget by a ballast (no controller); "
                          "arbiter: the spare follows the burst window (kvc.py)")
-    ap.add_argument("--budget-fraction", type=float,
-                    help="kvcached budget of the shared servers: this fraction of what their pools want "
-                         "(default: 0.25 fixed, 0.5 arbiter)")
+    ap.add_argument("--budget-fraction", type=float, default=0.5,
+                    help="kvcached budget of the shared servers: this fraction of what their pools want")
     ap.add_argument("--floor-tokens", type=int,
                     help="fixed: a server's limit is the budget less the others' floors; arbiter: no limit goes "
                          "below it (default: --max-cached-tokens fixed, 6144 arbiter)")
@@ -342,8 +351,10 @@ def options(argv=None):
                          "device (the rest lives in the host pool): what an idle server keeps")
     ap.add_argument("--gpu-utilization", type=float, default=0.95,
                     help="KVCACHED_GPU_UTILIZATION of the kvcached servers (and the ballast's sizing)")
-    ap.add_argument("--settle-s", type=float, default=2.0,
-                    help="fixed: seconds between flushing the shared servers and sizing the ballast")
+    ap.add_argument("--warmup-s", type=float, default=30,
+                    help="fixed: seconds of every client on every shared server before the ballast is sized")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="fixed: seconds the shared servers stay idle before the ballast is sized")
     ap.add_argument("--hicache-ratio", type=float, default=4)
     ap.add_argument("--small-host-ratio", type=float, default=1.0,
                     help="the last shared server's --hicache-ratio (host pool smaller than its working set); 0: off")
@@ -373,10 +384,8 @@ def options(argv=None):
         return opts
     if not 2 <= len(opts.models) <= 3:
         ap.error("--models takes two or three models (one shared server each)")
-    mode = MODES[opts.budget_mode]
-    opts.budget_fraction = mode["budget_fraction"] if opts.budget_fraction is None else opts.budget_fraction
-    opts.floor_tokens = mode.get("floor_tokens", opts.max_cached_tokens) if opts.floor_tokens is None \
-        else opts.floor_tokens
+    if opts.floor_tokens is None:
+        opts.floor_tokens = 6144 if opts.budget_mode == "arbiter" else opts.max_cached_tokens
     if opts.duration <= 0 or not 0 < opts.budget_fraction < 1 or not 0 < opts.gpu_utilization <= 1:
         ap.error("--duration must be positive, --budget-fraction between 0 and 1, --gpu-utilization in (0, 1]")
     if opts.max_cached_tokens < 0 or opts.floor_tokens < 0:
@@ -429,8 +438,8 @@ def dry_run(opts) -> int:
             "limits": "each set once: the budget less the other shared servers' floors (--floor-tokens "
                       f"{opts.floor_tokens} of their tokens), at most what its pool wants" if fixed else
                       f"floors of {opts.floor_tokens} tokens, the spare to the server of the burst window",
-            "ballast": f"free - total x (1 - {opts.gpu_utilization:g}) - (budget - mapped), once the shared servers "
-                       "are flushed" if fixed else None,
+            "ballast": f"free - total x (1 - {opts.gpu_utilization:g}) - (budget - mapped), after {opts.warmup_s:g} s "
+                       f"of every client and {opts.settle_s:g} s idle" if fixed else None,
             "small_host": small_host,
             "servers": [{"label": s.label, "role": s.role, "model": s.case.name, "pool": s.case.pool,
                          "kvcached": s.kvcached, "command": s.command, "env": s.env} for s in members.values()]}

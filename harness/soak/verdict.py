@@ -24,7 +24,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-KVCACHED_ROLES = ("shared", "ref-kvcached", "rejoin")
+KVCACHED_ROLES = ("shared", "ref-kvcached", "rejoin", "warmup")
 LOAD_ROLES = ("ref-native", *KVCACHED_ROLES)
 
 
@@ -182,8 +182,8 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
         "requests": sum(1 for r in shared if r.get("outcome") == "ok"),
         "aborted_on_purpose": sum(1 for r in shared if r.get("outcome") == "aborted"),
         "errors": sum(1 for r in shared if r.get("outcome") == "error" and not r.get("expected_error")),
-        # the other loads' failures (a restarted server's rejoin, the reference loads) fail the run too
-        "errors_other_roles": {role: n for role in ("ref-native", "ref-kvcached", "rejoin")
+        # the other loads' failures (the reference loads, the warm-up, a restarted server's rejoin) fail the run too
+        "errors_other_roles": {role: n for role in ("ref-native", "ref-kvcached", "warmup", "rejoin")
                                if (n := sum(1 for r in by_role.get(role, [])
                                             if r.get("outcome") == "error" and not r.get("expected_error")))},
         "solo_ran": "solo" in begun,

@@ -165,7 +165,7 @@ def soak_args(tmp_path, monkeypatch):
     return out, ["--out", str(out), "--shm-dir", str(shm), "--small-catalogue", "--clients", "2",
                  "--burst-clients", "2", "--max-new-tokens", "8", "--sample-every", "0.1", "--progress-every", "2",
                  "--restart-timeout", "20", "--ready-timeout", "20", "--max-total-tokens", "4096",
-                 "--max-cached-tokens", "400", "--budget-fraction", "0.15", "--settle-s", "0.2",
+                 "--max-cached-tokens", "400", "--budget-fraction", "0.15", "--warmup-s", "1", "--settle-s", "0.2",
                  "--ref-duration", "2", "--burst-period", "3", "--request-timeout", "20", "--duration", "6"]
 
 
@@ -190,6 +190,8 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
         # sample (the killed one's set back when it restarted); the ballast left the servers
         # the budget and they never mapped more
         began = next(e["t"] for e in events if e["type"] == "budget")
+        warm = [e for e in events if e["type"] == "request" and e["role"] == "warmup"]   # the allocators grown first
+        assert warm and all(e.get("match") for e in warm) and max(e["t"] for e in warm) < began
         seen = [(n, c["limit"]) for e in events if e["type"] == "sample" and e["t"] >= began
                 for n, c in e["instances"].items() if c["role"] == "shared" and c["live"]]
         assert {n for n, _ in seen} == set(config["limits_bytes"]) and all(

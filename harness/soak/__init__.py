@@ -34,7 +34,7 @@ servers start, the solo answers, 60 s of reference load per model, 30 s of warm-
         --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --out /tmp/soak/three.json --detach
     # then call after call (each under 10 minutes, the machine kept), until "done": true:
     S=/tmp/soak/three; for i in $(seq 56); do grep -q '"done": true' $S.status.json && break; sleep 10; done
-    cat $S.status.json; tail -n 5 $S.log; cp $S.json $OUT/; xz -c $S.events.jsonl > $OUT/events.jsonl.xz
+    cat $S.status.json; tail -n 5 $S.log; cp $S.json $OUT/; gzip -c $S.events.jsonl > $OUT/events.jsonl.gz
     tar czf $OUT/logs.tgz -C /tmp/soak three-logs
 
 The kvcached servers import the patched copy (first on the harness's PYTHONPATH, which

@@ -28,10 +28,10 @@ The shared servers together get a budget B, --budget-fraction of what their pool
     their tokens; by default --max-cached-tokens, what kvcached keeps of an idle server's
     finished requests), at most to what its pool wants: any one server may take every page
     but those the others keep when idle. Why not less: a limit that binds first leaves the
-    pages the GPU has free unused, and nothing would move; why not B: a burst of one server
-    could then take the pages an idle one needs for its cached prefixes. (With three
-    servers, two bursting together can still push the third below its floor: the GPU
-    decides then.) The scarcity is the GPU's: a ballast process holds the rest of it, so
+    pages the GPU has free unused, and nothing would move; why not B: after a flush or a
+    restart, one server's burst could map the pages another needs to cache its next
+    prefixes. (With three servers, two bursting together can still push the third below
+    its floor: the GPU decides then.) The scarcity is the GPU's: a ballast process holds the rest of it, so
     that the servers together can map B and no more, sized once from kvcached's counters
     with the servers warmed up and idle (run.py). An idle server gives pages back only
     through kvcached's cap and SGLang's eviction, and a pool keeps up to

@@ -1,7 +1,9 @@
 """One smoke test per harness tool, through the package's stand-ins (harness.fakes): each
 tool runs as on a GPU machine, against stand-in servers that answer as SGLang's do, and
 must write its report and reach its verdict. A verdict that can only pass proves nothing,
-so the comparison and the soak also run once with a server that answers wrongly.
+so the comparison and the soak also run once with a server that answers wrongly. The soak's
+budget without a controller is also tested in parts: its fixed limits, the ballast's size
+from kvcached's counters, its reclaim count on planted counters, its dry run.
 
 What the tools find on a GPU is in results/ (docs/results.md); their options and messages
 are not pinned here."""

@@ -6,11 +6,16 @@ cached_tokens, cached_tokens_details). Greedy tokens are a function of the promp
 seen before is a device hit, or a host hit once evicted from the device (to a host pool of
 --hicache-ratio times --max-total-tokens). The device holds the running requests' tokens and
 the cached ones, like kvcached 0.1.6 under SGLang (kvcached on: a segment named
-KVCACHED_IPC_NAME in SOAK_FAKE_SHM, three int64 like kvcached's, `used` kept up to date):
-a finished request's tokens stay cached, at most KVCACHED_MAX_CACHED_TOKENS (kvcached's
-default 16000) of them; a raised limit is taken at once, a lowered one only once the tokens
-in use fit under it (until then the device keeps what it holds and evicts only to make room
-within it). Faults, by environment:
+KVCACHED_IPC_NAME in SOAK_FAKE_SHM, three int64 like kvcached's, `used` kept up to date,
+1 MiB in reserve): a finished request's tokens stay cached, at most KVCACHED_MAX_CACHED_TOKENS
+(kvcached's default 16000) of them; a raised limit is taken at once, a lowered one only once
+the tokens in use fit under it (until then the device keeps what it holds and evicts only to
+make room within it). SOAK_FAKE_GPU=<bytes> stands in for the GPU they share: every record in
+SOAK_FAKE_SHM (the servers' mapped pages, the ballast's bytes) is memory in use, and a
+server maps more only while the rest stays above kvcached's headroom, the total times
+(1 - KVCACHED_GPU_UTILIZATION); a request that does not fit once its server's cached
+tokens are evicted waits, as in SGLang's queue (at most 30 s, then it runs anyway). A server
+stopped by SIGTERM removes its record (kvcached's shutdown does). Faults, by environment:
   FAKE_WRONG_ON=<part of the IPC name>  host-hit answers of that server are wrong;
   FAKE_NOISE=1                          an answer given while another request runs differs
                                         at its last token (batching noise, on every server);
@@ -19,9 +24,12 @@ within it). Faults, by environment:
 The trained-scale weights plugin's line is printed when its entry point is on the path.
 """
 import argparse
+import contextlib
+import fcntl
 import importlib.metadata
 import json
 import os
+import signal
 import struct
 import sys
 import threading
@@ -38,15 +46,26 @@ def main() -> None:
     args, _ = ap.parse_known_args()
     BYTES_PER_TOKEN = 16384
     RECORD = struct.Struct("=qqq")
+    RESERVE = 1 << 20       # bytes of pages kvcached keeps mapped in reserve (prealloc_size), even when idle
     elastic = os.environ.get("ENABLE_KVCACHED") == "true"
     ipc = os.environ.get("KVCACHED_IPC_NAME", "")
-    segment = os.path.join(os.environ.get("SOAK_FAKE_SHM", "/nonexistent"), ipc) if elastic else None
+    shm = os.environ.get("SOAK_FAKE_SHM", "/nonexistent")
+    segment = os.path.join(shm, ipc) if elastic else None
+    gpu_total = int(os.environ.get("SOAK_FAKE_GPU", "0")) if elastic else 0
+    headroom = int(gpu_total * (1 - float(os.environ.get("KVCACHED_GPU_UTILIZATION", "0.95"))))
     if any(p.value == "trained_scale_weights:register" for p in importlib.metadata.entry_points(group="sglang.srt.plugins")):
         print("trained-scale dummy weights drawn: 7 tensors (tp rank 0)", file=sys.stderr, flush=True)
     if elastic:
         with open(segment, "wb") as f:
-            f.write(RECORD.pack(args.max_total_tokens * BYTES_PER_TOKEN, 0, 0))
+            f.write(RECORD.pack(args.max_total_tokens * BYTES_PER_TOKEN, 0, RESERVE))
         print(f"[kvcached][INFO] VirtualKV Cache is allocated (group_id=0). #tokens: {args.max_total_tokens}", flush=True)
+
+        def leave(*_):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, leave)
 
 
     def matches(var):
@@ -72,6 +91,36 @@ def main() -> None:
         return sum(device.values()) + state["running"]
 
 
+    @contextlib.contextmanager
+    def gpu_lock():
+        """The stand-in GPU's lock (the shm folder's), held while a server checks and maps."""
+        if not gpu_total:
+            yield
+            return
+        fd = os.open(shm, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+    def gpu_room():
+        """Tokens this server can map beyond what it has: the stand-in GPU's free bytes above
+        kvcached's headroom (unbounded without a stand-in GPU)."""
+        if not gpu_total:
+            return float("inf")
+        held = 0
+        for name in os.listdir(shm):
+            try:
+                with open(os.path.join(shm, name), "rb") as f:
+                    _, used, prealloc = RECORD.unpack(f.read(RECORD.size))
+                held += used + prealloc
+            except (OSError, struct.error):
+                pass
+        return max(0, gpu_total - headroom - held) // BYTES_PER_TOKEN
+
+
     def publish():
         """Write the bytes in use. Pages are mapped as the use grows and given back as it falls,
         except while the use stands above a lowered limit: then the freed tokens stay on pages
@@ -83,7 +132,7 @@ def main() -> None:
             with open(segment, "r+b") as f:
                 total = RECORD.unpack(f.read(RECORD.size))[0]
                 f.seek(0)
-                f.write(RECORD.pack(total, state["mapped"] * BYTES_PER_TOKEN, 0))
+                f.write(RECORD.pack(total, state["mapped"] * BYTES_PER_TOKEN, RESERVE))
 
 
     def evict_to(tokens):
@@ -102,21 +151,27 @@ def main() -> None:
 
 
     def start(ids):
-        """A request begins: (device hit, host hit) tokens; its prompt is in use until it ends."""
+        """A request begins: (device hit, host hit) tokens; its prompt is in use until it ends.
+        It waits while the running requests' tokens and its own exceed what the server can map."""
         key = tuple(ids)
-        with lock:
-            dev = hst = 0
-            room = max(limit_tokens(), in_use())     # a lowered limit waits until the use fits under it
-            if key in device:
-                dev = len(ids) - 1
-                del device[key]
-            elif key in host:
-                hst = len(ids) - 1
-                del host[key]
-            state["running"] += len(ids)
-            evict_to(room)
-            publish()
-        return dev, hst
+        deadline = time.time() + 30
+        while True:
+            with lock, gpu_lock():
+                mappable = state["mapped"] + gpu_room()
+                if state["running"] + len(ids) <= mappable or time.time() > deadline:
+                    dev = hst = 0
+                    room = max(limit_tokens(), in_use())     # a lowered limit waits until the use fits under it
+                    if key in device:
+                        dev = len(ids) - 1
+                        del device[key]
+                    elif key in host:
+                        hst = len(ids) - 1
+                        del host[key]
+                    state["running"] += len(ids)
+                    evict_to(min(room, mappable))
+                    publish()
+                    return dev, hst
+            time.sleep(0.005)
 
 
     def finish(ids):

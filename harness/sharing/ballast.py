@@ -1,6 +1,6 @@
 """The ballast: another process holding GPU memory, so that what the kvcached servers of
-a variant can map for KV is the plan's budget, no more: what an operator sharing a GPU
-with other work would see.
+a variant (the sharing benchmark) or of a soak's shared phase can map for KV is the
+budget, no more: what an operator sharing a GPU with other work would see.
 
     python -m harness.sharing.ballast --budget BYTES --mapped BYTES --utilization U
 
@@ -13,21 +13,31 @@ counters: used and reserved pages), the ballast holds
     held = free - headroom - (budget - mapped)
 
 and the pools can map budget - mapped more: budget in all. It is sized once, when the
-variant's turn begins, and held unchanged until it ends: it knows nothing of the load.
+variant's turn (the soak's shared phase) begins, and held unchanged until it ends: it
+knows nothing of the load. `Holder` starts it from a harness and stops it.
 
 Prints one JSON line (free, total, headroom, held, left_for_kv: bytes) and holds the
 memory until its stdin closes or it is terminated. Exit 3 (the JSON has "error") when the
-GPU has less free memory than the budget needs. SHARING_FAKE_GPU="FREE,TOTAL" (bytes)
-stands in for cudaMemGetInfo in the CPU tests: nothing is allocated then.
+GPU has less free memory than the budget needs. In the CPU tests nothing is allocated:
+SHARING_FAKE_GPU="FREE,TOTAL" (bytes) stands in for cudaMemGetInfo; SOAK_FAKE_GPU=TOTAL
+for a GPU shared with the soak's stand-in servers (harness/fakes/soak_server.py), whose
+memory in use is the records in SOAK_FAKE_SHM (their pages), the ballast's own among them.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import selectors
+import subprocess
 import sys
+from pathlib import Path
+
+from harness import project, servers
+from harness.soak import kvc
 
 FAKE = "SHARING_FAKE_GPU"
+FAKE_SHARED, FAKE_SHM = "SOAK_FAKE_GPU", "SOAK_FAKE_SHM"
 
 
 def headroom(total: int, utilization: float) -> int:
@@ -46,6 +56,9 @@ def mem_info() -> tuple[int, int, object]:
     if fake := os.environ.get(FAKE):
         free, total = (int(float(x)) for x in fake.split(","))
         return free, total, None
+    if total := int(os.environ.get(FAKE_SHARED) or 0):
+        records = [kvc.read_segment(p) for p in Path(os.environ[FAKE_SHM]).iterdir()]
+        return total - sum(r[1] + r[2] for r in records if r), total, None
     import torch
 
     torch.cuda.init()
@@ -72,11 +85,62 @@ def main(argv: list[str] | None = None) -> int:
         keep = torch.empty(size, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         free = torch.cuda.mem_get_info()[0]
+    elif os.environ.get(FAKE_SHARED) and not os.environ.get(FAKE):
+        keep = Path(os.environ[FAKE_SHM]) / f"ballast{os.getpid()}"
+        keep.write_bytes(kvc.RECORD.pack(0, size, 0))
     report["left_for_kv"] = free - (size if torch is None else 0) - report["headroom"]
     print(json.dumps(report), flush=True)
     sys.stdin.read()          # until the harness closes our stdin (or terminates us)
+    if isinstance(keep, Path):
+        keep.unlink()
     del keep
     return 0
+
+
+class Holder:
+    """The ballast as a harness runs it: one at a time, on one GPU, stopped by closing its
+    stdin."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, python: str, budget: int, mapped: int, utilization: float, gpu: str | None, log: Path,
+              timeout: float) -> dict:
+        """Start it (`mapped`: what the pools hold now); what it said, with "mapped", and
+        with "error" where it holds nothing."""
+        command = [python, "-m", "harness.sharing.ballast", "--budget", str(budget), "--mapped", str(mapped),
+                   "--utilization", f"{utilization:g}"]
+        env = servers.local_env({}, [str(project.ROOT)], gpus=gpu)
+        with open(log, "a") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                                    text=True, start_new_session=True)
+        line = ""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if sel.select(timeout=timeout):
+                line = proc.stdout.readline()
+        try:
+            info = json.loads(line)
+        except ValueError:
+            info = {"error": f"the ballast said nothing it could read ({line.strip()[:200]!r}; {log})"}
+        if "error" in info:
+            servers.stop(proc, grace=5)
+            proc.stdin.close()
+            proc.stdout.close()
+        else:
+            self.proc = proc
+        return {"mapped": mapped, **info}
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            servers.stop(proc, grace=5)
+        proc.stdout.close()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
 import shlex
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from harness import bench_server, project, servers
 from harness.compare import matrix
 from harness.compare import verdict as judge
 from harness.sharing import plan as P
-from harness.sharing import summary, traffic
+from harness.sharing import ballast, summary, traffic
 from harness.soak import kvc
 from harness.soak.fleet import Journal
 
@@ -76,7 +75,7 @@ class Run:
         self.up: set[str] = set()
         self.failed: dict[str, str] = {}
         self.reference_done = False
-        self.ballast: subprocess.Popen | None = None
+        self.ballast = ballast.Holder()
         self.stopping = False
         self.status: dict = {"pid": os.getpid(), "done": False}
 
@@ -232,50 +231,12 @@ class Run:
 
     # ---- the ballast -------------------------------------------------------------------
 
-    def mapped(self, variant: str) -> int:
-        """Bytes the variant's kvcached pools hold (used and reserved pages, every segment)."""
-        total = 0
-        for label in self.labels:
-            for seg in kvc.segment_names(self.opts.shm_dir, self.ipc[(variant, label)]):
-                counters = kvc.read_segment(os.path.join(self.opts.shm_dir, seg))
-                if counters:
-                    total += counters[1] + counters[2]
-        return total
-
     def start_ballast(self, variant: str) -> dict:
-        """The ballast for a kvcached variant's slot (harness/sharing/ballast.py): what it
-        said, with "error" where it holds nothing."""
-        mapped = self.mapped(variant)
-        command = [self.opts.python, "-m", "harness.sharing.ballast", "--budget", str(self.plan.budget_bytes),
-                   "--mapped", str(mapped), "--utilization", f"{self.plan.gpu_utilization:g}"]
-        env = servers.local_env({}, [str(project.ROOT)], gpus=self.opts.gpu)
-        with open(self.logs / "ballast.log", "a") as err:
-            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                                    text=True, start_new_session=True)
-        line = ""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            if sel.select(timeout=self.opts.ready_timeout):
-                line = proc.stdout.readline()
-        try:
-            info = json.loads(line)
-        except ValueError:
-            info = {"error": f"the ballast said nothing it could read ({line.strip()[:200]!r}; logs/ballast.log)"}
-        if "error" in info:
-            servers.stop(proc, grace=5)
-        else:
-            self.ballast = proc
-        return {"mapped": mapped, **info}
-
-    def stop_ballast(self) -> None:
-        proc, self.ballast = self.ballast, None
-        if proc is None:
-            return
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            servers.stop(proc, grace=5)
+        """The ballast for a kvcached variant's slot (ballast.Holder), sized by what the
+        variant's pools hold now: what it said, with "error" where it holds nothing."""
+        mapped = kvc.mapped_bytes(self.opts.shm_dir, [self.ipc[(variant, label)] for label in self.labels])
+        return self.ballast.start(self.opts.python, self.plan.budget_bytes, mapped, self.plan.gpu_utilization,
+                                  self.opts.gpu, self.logs / "ballast.log", self.opts.ready_timeout)
 
     # ---- slots -------------------------------------------------------------------------
 
@@ -294,14 +255,14 @@ class Run:
         flush_failed = [f"{v}/{label}" for v in self.up for label, s in self.members(v).items() if not self.flush(s)]
         time.sleep(o.settle_s)      # kvcached gives freed pages back in the background
         offsets = {label: s.log.stat().st_size for label, s in self.members(variant).items()}
-        ballast = None
+        held = None
         try:
             if P.VARIANTS[variant].kvcached:
-                ballast = self.start_ballast(variant)
-                self.record({"type": "ballast", **where, **ballast})
-                if "error" in ballast:
-                    self.record({"type": "slot", **where, "status": "not run", "why": f"ballast: {ballast['error']}",
-                                 "ballast": ballast})
+                held = self.start_ballast(variant)
+                self.record({"type": "ballast", **where, **held})
+                if "error" in held:
+                    self.record({"type": "slot", **where, "status": "not run", "why": f"ballast: {held['error']}",
+                                 "ballast": held})
                     self.save()
                     return
             for phase in plan.phases:
@@ -316,11 +277,11 @@ class Run:
                 self.set_status(stage="sample")
                 self.sample(rnd)
         finally:
-            self.stop_ballast()
+            self.ballast.stop()
         retractions = {label: summary.log_retractions(read_from(s.log, offsets[label]))
                        for label, s in self.members(variant).items()}
         self.record({"type": "slot", **where, "status": "done", "seconds": round(time.time() - began, 1),
-                     "log_retractions": retractions, "flush_failed": flush_failed, "ballast": ballast})
+                     "log_retractions": retractions, "flush_failed": flush_failed, "ballast": held})
         self.save()
 
     def stop_all(self, *_) -> None:
@@ -348,7 +309,7 @@ class Run:
         except Interrupted:
             self.record({"type": "interrupted"})
         finally:
-            self.stop_ballast()
+            self.ballast.stop()
             servers.stop_all(self.servers.values())
         report = self.save()
         self.set_status(stage="done", done=True, problems=len(report["problems"]))

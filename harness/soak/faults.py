@@ -7,9 +7,11 @@
                     clients paused, in-flight requests drained and /flush_cache?timeout=10;
                     answers must follow;
   kill-9            SIGKILL to the whole server, its shared-memory segments removed (kvctl
-                    delete does the same); the survivors' kvcached limits must rise (the
-                    arbiter gives them the killed one's share), their requests must not
-                    fail; the server is restarted and must be ready again.
+                    delete does the same); the survivors' requests must not fail (with
+                    the arbiter, their kvcached limits must rise: it gives them the killed
+                    one's share; with fixed limits the killed one's pages go back to the
+                    GPU for them); the server is restarted and must be ready again (its
+                    fixed limit written again, the same bytes).
 Each runs in its own thread at its time in the shared phase (`plan_faults`) and journals
 one "fault" event: when, on which server, `ok` and why not, and what followed.
 """
@@ -133,15 +135,15 @@ class Faults:
     def kill_nine(self, server) -> dict:
         fleet, budget, shm = self.fleet, self.budget, self.budget.shm_dir
         inst = budget.instance(server)
-        survivors = [i for i in budget.arbiter.instances if i is not inst]
-        before = {i.server: kvc.read_instance(shm, i) for i in budget.arbiter.instances}
+        survivors = [i for i in budget.shared if i is not inst]
+        before = {i.server: kvc.read_instance(shm, i) for i in budget.shared}
         t_kill = fleet.journal.now()
         server.kill9()
         inst.live = False
         removed = kvc.remove_segments(shm, inst.name)
         inst.wants.clear()
         fleet.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
-        # the others' limits rise at once (the arbiter's next tick); watch their use grow
+        # the others' limits rise at once (the arbiter's next tick) or stay; watch their use grow
         peak = {i.server: 0 for i in survivors}
         peak_limit = {i.server: 0 for i in survivors}
         watch_until = time.time() + 2 * self.observe()
@@ -161,7 +163,8 @@ class Faults:
         restart_s = round(time.time() - began, 1)
         if ready:
             inst.live = True
-        grew = any((g["limit_after"] or 0) > (g["limit_before"] or 0) for g in gained.values())
+        grew = budget.arbiter is None or any((g["limit_after"] or 0) > (g["limit_before"] or 0)
+                                             for g in gained.values())
         ok = ready and grew and all(not v["errors"] for v in answers.values())
         why = [] if ready else [f"not ready again within {self.opts.restart_timeout:.0f} s"]
         if not grew:

@@ -126,6 +126,7 @@ def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetSe
             ipc = f"{tag}_{label}".replace(".", "-")
             env["KVCACHED_IPC_NAME"] = ipc
             env["KVCACHED_MAX_CACHED_TOKENS"] = str(o.max_cached_tokens)
+            env["KVCACHED_GPU_UTILIZATION"] = f"{o.gpu_utilization:g}"
         if deep_gemm:
             env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
         tree = o.native_path if (o.native_path and not on) else None     # else the caller's SGLang

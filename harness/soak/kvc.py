@@ -14,18 +14,38 @@ limit at once, a smaller one as soon as the pages in use fit under it ("deferred
 then; meanwhile the pool reports no free page, so SGLang evicts what each request needs and
 no more). The tokens in use are the running requests' and the finished ones' SGLang keeps
 cached, up to KVCACHED_MAX_CACHED_TOKENS (kvcached's cap, 16000 by default): with that cap
-above a server's floor, a lowered limit never takes effect (the first GPU run).
+above a server's floor, a lowered limit never takes effect (the first GPU run). A page is
+mapped only while the GPU's free memory stays above kvcached's headroom, the total times
+(1 - KVCACHED_GPU_UTILIZATION) (harness/sharing/ballast.py).
 
-The GPU itself is far larger than the tiny models need, so the scarcity a soak run needs
-is made with these limits, kvcached's own control for several models on one GPU: a total
-budget smaller than what the servers' pools want (`Arbiter`). Every instance keeps a floor;
-the rest of the budget (the spare) goes to one live instance at a time, in turn (the one
-whose clients are in their burst), so each instance must give pages back for the other to
-map them. A killed instance leaves the rotation and its floor goes to the others until it
-is back. `reclaims` reads the counters only: pages kvcached took back from an instance
-above its lowered limit that another then mapped above its own earlier limit. `Budget`
-runs it in a soak: the instances of a fleet's kvcached servers, the arbiter of the shared
-phase, and the counter samples it journals (the limits applied first).
+The shared servers together get a budget B, --budget-fraction of what their pools want.
+`Budget` holds them to it in one of two modes (--budget-mode):
+
+  fixed (the default): no controller. Each instance's limit is set once, when the shared
+    phase begins, as an operator would set it (`kvctl limit`), and never changed
+    (`FixedLimits`; a restarted instance writes its full size again and gets the same
+    limit back). Each may grow to B less the other instances' floors (--floor-tokens of
+    their tokens; by default --max-cached-tokens, what kvcached keeps of an idle server's
+    finished requests), at most to what its pool wants: any one server may take every page
+    but those the others keep when idle. Why not less: a limit that binds first leaves the
+    pages the GPU has free unused, and nothing would move; why not B: after a flush or a
+    restart, one server's burst could map the pages another needs to cache its next
+    prefixes. (With three servers, two bursting together can still push the third below
+    its floor: the GPU decides then.) The scarcity is the GPU's: a ballast process holds the rest of it, so
+    that the servers together can map B and no more, sized once from kvcached's counters
+    with the servers warmed up and idle (run.py). An idle server gives pages back only
+    through kvcached's cap and SGLang's eviction, and a pool keeps up to
+    KVCACHED_MAX_RESERVED_PAGES (10) freed pages mapped in reserve: only the pages beyond
+    go back to the GPU, for another server to map (`moves`). The default budget, half of
+    what the pools want, is meant to lie above what the servers hold idle (cached tokens
+    and reserves) and below that plus a burst: a first guess for the tiny models, which
+    the counters of a GPU run confirm or correct (--budget-fraction).
+  arbiter: a controller that knows the load (`Arbiter`, the first GPU runs). Every
+    instance keeps a floor (--floor-tokens, 6144 by default); the rest of the budget (the
+    spare) goes to one live instance at a time, in turn (the one whose clients are in
+    their burst), so each instance must give pages back for the other to map them. A
+    killed instance leaves the rotation and its floor goes to the others until it is
+    back. No ballast: the limits make the scarcity (`reclaims`).
 """
 from __future__ import annotations
 
@@ -96,6 +116,17 @@ def remove_segments(shm_dir: str, name: str) -> list[str]:
     return removed
 
 
+def mapped_bytes(shm_dir: str, names) -> int:
+    """Bytes the named instances have mapped (pages in use and in reserve, every segment)."""
+    total = 0
+    for name in names:
+        for seg in segment_names(shm_dir, name):
+            rec = read_segment(os.path.join(shm_dir, seg))
+            if rec:
+                total += rec[1] + rec[2]
+    return total
+
+
 @dataclass
 class Instance:
     """One kvcached instance (one server) under the budget."""
@@ -130,16 +161,53 @@ def read_instance(shm_dir: str, inst: Instance) -> dict | None:
     return {"limit": limit, "used": used, "prealloc": prealloc, "segments": len(segs)}
 
 
+def floor_bytes(inst: Instance, floor_tokens: int) -> int:
+    """An instance's floor: `floor_tokens` of its tokens, at most what its pool wants."""
+    return min(inst.want(), int(floor_tokens * inst.bytes_per_token()))
+
+
+def write_split(shm_dir: str, inst: Instance, limit: int) -> list[tuple[str, int]]:
+    """An instance's limit, split over its segments in proportion to what they want,
+    written where a segment holds another; the (segment, bytes) written."""
+    written = []
+    total_want = inst.want()
+    for seg, want in inst.wants.items():
+        share = limit * want // total_want
+        rec = read_segment(os.path.join(shm_dir, seg))
+        if rec is not None and rec[0] != share and write_limit(os.path.join(shm_dir, seg), share):
+            written.append((seg, share))
+    return written
+
+
+class FixedLimits:
+    """Each instance's limit, fixed when made: the budget less the other instances'
+    floors, at most what its pool wants (the module docstring says why). `apply` writes
+    it where a segment holds another limit (at first, and after a restart, where kvcached
+    wrote the pool's full size again), never another value; `writes` logs every write."""
+
+    def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
+        self.shm_dir, self.instances = shm_dir, instances
+        floors = {i.name: floor_bytes(i, floor_tokens) for i in instances}
+        self.limits = {i.name: max(0, min(i.want(), budget - sum(floors.values()) + floors[i.name]))
+                       for i in instances}
+        self.writes: list[tuple[str, int]] = []
+
+    def apply(self) -> dict[str, int]:
+        for inst in self.instances:
+            if inst.wants:    # known once the instance (or its restart) wrote its segments
+                self.writes += write_split(self.shm_dir, inst, self.limits[inst.name])
+        return self.limits
+
+
 class Arbiter:
     """Splits a total budget (bytes) over live instances: floors for all, the spare to the
     one named by `boosted`; writes the limits where they differ from what is set."""
 
     def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
         self.shm_dir, self.instances, self.budget, self.floor_tokens = shm_dir, instances, budget, floor_tokens
-        self.written: dict[str, int] = {}    # segment -> last limit written
 
     def floor(self, inst: Instance) -> int:
-        return min(inst.want(), int(self.floor_tokens * inst.bytes_per_token()))
+        return floor_bytes(inst, self.floor_tokens)
 
     def plan(self, boosted: str | None) -> dict[str, int]:
         """Instance name -> limit (bytes): the live ones with known wants only."""
@@ -156,37 +224,28 @@ class Arbiter:
         return limits
 
     def apply(self, boosted: str | None) -> dict[str, int]:
-        """Write the plan's limits, each split over the instance's segments in proportion
-        to what they want; returns the plan."""
+        """Write the plan's limits (`write_split`; a restarted instance's full size set
+        back); returns the plan."""
         limits = self.plan(boosted)
         for inst in self.instances:
-            if inst.name not in limits:
-                continue
-            total_want = inst.want()
-            for seg, want in inst.wants.items():
-                share = limits[inst.name] * want // total_want
-                if self.written.get(seg) != share or self._differs(seg, share):
-                    if write_limit(os.path.join(self.shm_dir, seg), share):
-                        self.written[seg] = share
+            if inst.name in limits:
+                write_split(self.shm_dir, inst, limits[inst.name])
         return limits
-
-    def _differs(self, seg: str, share: int) -> bool:
-        """A restarted instance writes its full size again: set it back."""
-        rec = read_segment(os.path.join(self.shm_dir, seg))
-        return rec is not None and rec[0] != share
 
 
 class Budget:
     """A fleet's kvcached instances (fleet.Fleet), its budget and its counter samples."""
 
-    def __init__(self, fleet, shm_dir: str, max_total_tokens: int, burst_period: float):
-        self.fleet, self.shm_dir, self.burst_period = fleet, shm_dir, burst_period
+    def __init__(self, fleet, shm_dir: str, max_total_tokens: int, burst_period: float, mode: str = "fixed"):
+        self.fleet, self.shm_dir, self.burst_period, self.mode = fleet, shm_dir, burst_period, mode
         self.instances: dict[str, Instance] = {}
         for s in fleet.servers.values():
             if s.kvcached:
                 remove_segments(shm_dir, s.ipc_name)
                 self.instances[s.ipc_name] = Instance(s.ipc_name, s.label, max_total_tokens)
+        self.shared: list[Instance] = []         # the shared servers' instances, once share() ran
         self.arbiter: Arbiter | None = None
+        self.limits: FixedLimits | None = None
         self.lock = threading.Lock()
 
     def instance(self, server) -> Instance:
@@ -201,26 +260,36 @@ class Budget:
             self.instances[server.ipc_name].live = False
 
     def share(self, shared: list, fraction: float, floor_tokens: int) -> dict:
-        """Put the shared servers under one budget, `fraction` of what their pools want;
-        returns the budget, the wants and the floors (bytes)."""
+        """Put the shared servers under one budget, `fraction` of what their pools want:
+        fixed limits written (mode fixed) or the arbiter made (mode arbiter); returns the
+        mode, the budget, the wants, the floors and the fixed limits (bytes)."""
         for s in shared:   # wants known from the first read of each instance's segments
             self.read(s)
-        insts = [self.instance(s) for s in shared]
-        want = sum(i.want() for i in insts)
-        budget = int(fraction * want)
-        self.arbiter = Arbiter(self.shm_dir, insts, budget, floor_tokens)
-        return {"budget_bytes": budget, "wants_bytes": {i.server: i.want() for i in insts},
-                "floors_bytes": {i.server: self.arbiter.floor(i) for i in insts}}
+        insts = self.shared = [self.instance(s) for s in shared]
+        budget = int(fraction * sum(i.want() for i in insts))
+        out = {"budget_mode": self.mode, "budget_bytes": budget, "wants_bytes": {i.server: i.want() for i in insts},
+               "floors_bytes": {i.server: floor_bytes(i, floor_tokens) for i in insts}}
+        if self.mode == "arbiter":
+            self.arbiter = Arbiter(self.shm_dir, insts, budget, floor_tokens)
+        else:
+            self.limits = FixedLimits(self.shm_dir, insts, budget, floor_tokens)
+            self.limits.apply()
+            out["limits_bytes"] = {i.server: self.limits.limits[i.name] for i in insts}
+        return out
 
     def sample(self) -> None:
-        """kvcached's counters of every instance; the arbiter's limits applied first."""
+        """kvcached's counters of every instance, the limits applied first: the arbiter's
+        for the burst window's server, or the fixed ones where a restart reset them. The
+        burst window (Fleet.boosted) moves on in either mode: the load follows it."""
         with self.lock:
             fleet = self.fleet
-            if self.arbiter:
+            if fleet.shared_t0 is not None:
                 live = [s.label for s in fleet.shared() if s.up.is_set()]
-                if fleet.shared_t0 is not None:
-                    fleet.boosted = burst_owner(time.time() - fleet.shared_t0, self.burst_period, live)
+                fleet.boosted = burst_owner(time.time() - fleet.shared_t0, self.burst_period, live)
+            if self.arbiter:
                 self.arbiter.apply(fleet.servers[fleet.boosted].ipc_name if fleet.boosted else None)
+            elif self.limits:
+                self.limits.apply()
             counters = {}
             for s in fleet.servers.values():
                 if not s.kvcached or s.ipc_name not in self.instances:
@@ -239,8 +308,10 @@ class Budget:
                 self.fleet.journal.write({"type": "note", "what": f"sampling failed: {exc}"})
 
     def limits_mib(self) -> str:
-        return ", ".join(f"{i.server}={(read_instance(self.shm_dir, i) or {}).get('limit', 0) >> 20}"
-                         for i in self.instances.values())
+        """The progress line's: the shared instances' limits (arbiter) or mapped bytes, MiB."""
+        mib = lambda c: ((c["limit"] if self.arbiter else mapped(c)) >> 20) if c else 0
+        return f"{'limit' if self.arbiter else 'mapped'} MiB " + ", ".join(
+            f"{i.server}={mib(read_instance(self.shm_dir, i))}" for i in self.shared)
 
     def clear(self) -> None:
         """The segments the instances leave behind."""
@@ -273,8 +344,8 @@ def reclaims(samples: list[dict], min_bytes: int, window: float = 10.0) -> dict:
     taken parts less than `window` s before or after it (the order varies: a raised limit
     is taken at once, a lowered one once the pages in use fit under it), each taken part
     matched once, oldest first; a forced part whose matched amount is at least min_bytes
-    (one page bundle) is one reclaim. Returns the count, the bytes moved and, per
-    "giver->taker", the bytes."""
+    (one page bundle) is one reclaim (`pair`). Returns the count, the bytes moved and,
+    per "giver->taker", the bytes."""
     falls, rises = [], []            # [t, instance, bytes (left to match)]
     limits: dict[str, deque] = {}    # instance -> (t, limit in force from t), the last `window` s
     for before, after in zip(samples, samples[1:]):
@@ -292,6 +363,47 @@ def reclaims(samples: list[dict], min_bytes: int, window: float = 10.0) -> dict:
                 rises.append([after["t"], n, taken])
             elif forced > 0:
                 falls.append([after["t"], n, forced])
+    return pair(falls, rises, min_bytes, window)
+
+
+def moves(samples: list[dict], budget: int, min_bytes: int, window: float = 10.0, full: float = 0.95) -> dict:
+    """Pages one instance gave back and another mapped while the budget was full, from
+    counter samples alone (the fixed mode: no limit moves, the GPU holds the budget).
+
+    samples: as `reclaims` takes them. Between two samples each live shared instance's
+    mapped bytes (`mapped`) fall or rise. A fall is the instance giving pages back (its
+    cap on cached tokens, SGLang's eviction, requests ending). Of a rise, the part above
+    the instance's highest level of the `window` s before is taken, but only where the
+    instances together then map at least `full` of the budget: pages were scarce, so it
+    could map them only because another gave them back (a server refilling what it held a
+    moment ago, or growing into free pages, is neither). Falls and taken parts are matched
+    as in `reclaims` (another instance, within `window` s, each taken part once, oldest
+    first); a fall matched with at least min_bytes is one reclaim, its bytes moved the
+    smaller of the fall and what was taken. Returns what `reclaims` returns."""
+    falls, rises = [], []            # [t, instance, bytes (left to match)]
+    levels: dict[str, deque] = {}    # instance -> (t, mapped) of the last `window` s
+    for before, after in zip(samples, samples[1:]):
+        a, b = before["instances"], after["instances"]
+        total = sum(mapped(c) for c in b.values() if under_budget(c))
+        for n in (n for n in a if n in b and under_budget(a[n]) and under_budget(b[n])):
+            was, now = mapped(a[n]), mapped(b[n])
+            recent = levels.setdefault(n, deque())
+            recent.append((before["t"], was))
+            while len(recent) > 1 and recent[0][0] < after["t"] - window:
+                recent.popleft()
+            taken = now - max(lv for _, lv in recent)
+            if now < was:
+                falls.append([after["t"], n, was - now])
+            elif taken > 0 and total >= full * budget:
+                rises.append([after["t"], n, taken])
+    return pair(falls, rises, min_bytes, window)
+
+
+def pair(falls: list[list], rises: list[list], min_bytes: int, window: float) -> dict:
+    """Each fall [t, giver, bytes] matched with other instances' rises [t, taker, bytes]
+    less than `window` s before or after it, each rise's bytes matched once, oldest first;
+    a fall matched with at least min_bytes is one reclaim. Returns the count, the bytes
+    moved and, per "giver->taker", the bytes."""
     count, moved, pairs = 0, 0, {}
     for t, giver, amount in falls:
         takes = []                   # (rise, bytes): kept only if the fall is a reclaim

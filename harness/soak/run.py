@@ -1,32 +1,30 @@
 """Soak: several models on one GPU, each with HiCache over kvcached, under load and faults.
 
-    python -m harness.soak --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny]
-        [--server-flags "..."] [--detach]
+    python -m harness.soak --out build/soak/run.json [--duration 600] [--models qwen2-tiny deepseek-v2-tiny ...]
+        [--budget-mode fixed|arbiter] [--server-flags "..."] [--detach]
+    python -m harness.soak --dry-run                                           (servers, budget; starts nothing)
     python -m harness.soak --rebuild build/soak/run.events.jsonl --out R.json  (report again from a journal)
     python -m harness.soak --table R1.json R2.json ...                         (the results table rows)
 
-Servers (fleet.py): one shared server per --models entry, kvcached on, all on one GPU
-under one KV budget (kvc.py: --budget-fraction of what their pools want, each kept at
---floor-tokens at least, the spare following the burst window from server to server), and
-per model an unshared native server (the oracle) and an unshared kvcached one.
+Servers (fleet.py): one shared server per --models entry (by default MHA, MLA and the Mamba
+hybrid), kvcached on, all on one GPU under one KV budget (kvc.py: --budget-fraction of what
+their pools want; by default each limit fixed once and a ballast holding the rest of the
+GPU, --budget-mode arbiter: floors of --floor-tokens and the spare following the burst
+window), and per model an unshared native server (the oracle) and an unshared kvcached one.
 Phases (run.py): start all; solo (each catalogue prompt answered alone by the native
 reference); reference load (--ref-duration per model, native and unshared kvcached side by
-side, then the unshared kvcached one stops); shared (--duration: clients on every shared
+side, then the unshared kvcached one stops); warmup (fixed mode: --warmup-s of every client
+on every shared server); shared (the budget set, then --duration: clients on every shared
 server, bursts rotating, faults: faults.py); after (a killed server's restart awaited and
-its answers checked, `rejoin`). Traffic: traffic.py; the oracle and the report: verdict.py;
-the report: docs/harness.md.
+its answers checked, `rejoin`).
+Traffic: traffic.py; the oracle and the report: verdict.py; the report: docs/harness.md.
 
 Files, written as the run goes (a crash of the harness loses nothing): OUT (the report, rewritten
 every --report-every s and at the end), OUT.events.jsonl (every request, counter sample, server
-event and fault), OUT.status.json (phase, progress, done), OUT.log (with --detach), server logs in
-OUT-logs/. Exit status: 0 pass, 1 fail or incomplete, 2 bad input.
+event and fault), OUT.status.json (phase, progress, done), OUT.log (with --detach), server and
+ballast logs in OUT-logs/. Exit status: 0 pass, 1 fail or incomplete, 2 bad input.
 
-On the H200 (after `source .e2e/setup.sh` and `python3 scripts/apply /tmp/site`):
-    F="--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none \\
-       --mem-fraction-static 0.3 --disable-custom-all-reduce --linear-attn-prefill-backend triton"
-    python -m harness.soak --duration 60 --out $OUT/smoke.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false
-    python -m harness.soak --out /tmp/soak/full.json --server-flags "$F" --env SGLANG_ENABLE_JIT_DEEPGEMM=false --detach
-    cat /tmp/soak/full.status.json          (poll; "done": true at the end)
+On a GPU: harness/soak/__init__.py gives the 10-minute three-model run on one H100.
 """
 from __future__ import annotations
 
@@ -42,10 +40,11 @@ from pathlib import Path
 from harness import project, servers
 from harness.compare import matrix
 from harness.rig.real_kernels import sgl_kernel_calls
+from harness.sharing import ballast
 from harness.soak import faults, kvc, traffic, verdict
 from harness.soak import fleet as fleets
 
-DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny")
+DEFAULT_MODELS = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny")     # MHA, MLA, the Mamba hybrid
 SOAK_CASES = ("qwen2-tiny", "deepseek-v2-tiny", "qwen3.5-tiny", "mellum-tiny")
 
 
@@ -72,6 +71,7 @@ class Soak:
         self.fleet = fleets.Fleet({}, fleets.Journal(self.events_path, self.started))
         self.load = traffic.Load(self.fleet, catalogues, opts)
         self.budget: kvc.Budget | None = None
+        self.ballast = ballast.Holder()
         self.faults: faults.Faults | None = None
         self.small_host: str | None = None
         self.config = self.make_config()
@@ -84,8 +84,10 @@ class Soak:
         o, cats = self.opts, self.load.catalogues
         return {"argv": sys.argv[1:], "models": o.models, "duration_s": o.duration, "ref_duration_s": o.ref_duration,
                 "clients": o.clients, "burst_clients": o.burst_clients, "burst_period_s": o.burst_period,
-                "max_total_tokens": o.max_total_tokens, "budget_fraction": o.budget_fraction,
-                "floor_tokens": o.floor_tokens, "max_cached_tokens": o.max_cached_tokens,
+                "max_total_tokens": o.max_total_tokens, "budget_mode": o.budget_mode,
+                "budget_fraction": o.budget_fraction, "floor_tokens": o.floor_tokens,
+                "max_cached_tokens": o.max_cached_tokens, "gpu_utilization": o.gpu_utilization,
+                "warmup_s": o.warmup_s,
                 "hicache_ratio": o.hicache_ratio,
                 "small_host_ratio": o.small_host_ratio, "max_new_tokens": o.max_new_tokens,
                 "abort_rate": o.abort_rate, "deterministic": not o.no_deterministic, "seed": o.seed,
@@ -123,7 +125,7 @@ class Soak:
         last_report = time.time()
         while not self.fleet.stopping.wait(self.opts.progress_every):
             c = self.load.snapshot()
-            limits = f" limits MiB {self.budget.limits_mib()}" if self.budget and self.budget.arbiter else ""
+            limits = f" {self.budget.limits_mib()}" if self.budget and self.budget.shared else ""
             t0 = self.fleet.shared_t0
             shared = f" {time.time() - t0:.0f}/{self.opts.duration:.0f} s" if t0 else ""
             print(f"[{time.time() - self.started:5.0f} s] {self.phase}{shared}: answers {c['ok']} "
@@ -181,16 +183,50 @@ class Soak:
             if s.role == "ref-kvcached":
                 s.stop()
 
+    def warm_up(self, shared: list) -> None:
+        """Fixed mode: every client on every shared server at once for --warmup-s (answers
+        checked as any), so that each server's allocator has grown to what the load needs
+        before the ballast is sized: what it took later would come out of the budget, since
+        kvcached maps only while the GPU's free memory stays above its headroom. (Not
+        /flush_cache after it: SGLang's flush empties torch's cache too.)"""
+        if self.opts.warmup_s > 0:
+            self.begin("warmup")
+            self.load.run_clients([(s, "warmup", (0, 1)) for s in shared], self.opts.warmup_s)
+            self.end("warmup")
+
+    def hold_gpu(self, shared: list) -> dict:
+        """Fixed mode: the shared servers idle for --settle-s (kvcached's cap trims their
+        cached tokens, freed pages are unmapped), their limits fixed, then the ballast sized
+        from what they map now (kvcached's counters), so that together they can map the
+        budget and no more."""
+        o = self.opts
+        self.fleet.stopping.wait(o.settle_s)
+        self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens))
+        mapped = kvc.mapped_bytes(o.shm_dir, [s.ipc_name for s in shared])
+        return self.ballast.start(o.python, self.config["budget_bytes"], mapped, o.gpu_utilization, o.gpu,
+                                  self.logs / "ballast.log", o.ready_timeout)
+
     def shared(self) -> None:
         o = self.opts
-        self.begin("shared")
         shared = self.fleet.shared()
-        self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens), reclaim_min_bytes=2 << 20)
+        if o.budget_mode == "fixed":
+            self.warm_up(shared)
+        self.begin("shared")
+        if o.budget_mode == "fixed":
+            self.config["ballast"] = self.hold_gpu(shared)
+        else:
+            self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens))
+        self.config["reclaim_min_bytes"] = 2 << 20
         budget, floors = self.config["budget_bytes"], self.config["floors_bytes"]
         if budget <= sum(floors.values()) or not sum(self.config["wants_bytes"].values()):
             self.journal.write({"type": "note", "what": f"budget {budget} B leaves no spare over the floors {floors}"})
-        self.journal.write({"type": "budget", **{k: self.config[k] for k in ("budget_bytes", "wants_bytes", "floors_bytes",
-                                                                          "reclaim_min_bytes")}})
+        keys = ("budget_mode", "budget_bytes", "wants_bytes", "floors_bytes", "limits_bytes", "ballast",
+                "reclaim_min_bytes")
+        self.journal.write({"type": "budget", **{k: self.config[k] for k in keys if k in self.config}})
+        if "error" in self.config.get("ballast", {}):
+            print(f"the ballast holds nothing: {self.config['ballast']['error']}", flush=True)
+            self.end("shared")
+            return
         self.fleet.shared_t0 = time.time()
         self.budget.sample()
         if self.small_host:
@@ -237,7 +273,7 @@ class Soak:
         o = self.opts
         self.journal.write({"type": "start", "config": self.config, "pid": os.getpid()})
         self.fleet.servers, self.small_host = fleets.build(o, self.cases, self.logs)
-        self.budget = kvc.Budget(self.fleet, o.shm_dir, o.max_total_tokens, o.burst_period)
+        self.budget = kvc.Budget(self.fleet, o.shm_dir, o.max_total_tokens, o.burst_period, o.budget_mode)
         self.fleet.on_death = self.budget.lost
         self.faults = faults.Faults(self.fleet, self.load, self.budget, o)
         threading.Thread(target=self.environment, daemon=True).start()
@@ -264,6 +300,7 @@ class Soak:
             self.fleet.stopping.set()
             self.fleet.phase_stop.set()
             self.fleet.stop_all()
+            self.ballast.stop()
             self.budget.clear()
         if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (harness/rig/real_kernels/setup.sh)
             self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(
@@ -290,6 +327,8 @@ def options(argv=None):
     ap.add_argument("--table", nargs="+", metavar="REPORT", help="print the table rows of reports, exit")
     ap.add_argument("--rebuild", metavar="EVENTS", help="write --out again from a run's events journal, exit")
     ap.add_argument("--detach", action="store_true", help="run in the background (new session), log to OUT.log")
+    ap.add_argument("--dry-run", action="store_true", help="print the servers (commands, environments) and the "
+                                                           "budget's rules as JSON, start nothing")
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=SOAK_CASES,
                     help="one shared server each (2 or 3)")
     ap.add_argument("--duration", type=float, default=600, help="seconds of the shared phase")
@@ -299,12 +338,23 @@ def options(argv=None):
     ap.add_argument("--burst-clients", type=int, default=6, help="more clients per server during its burst window")
     ap.add_argument("--burst-period", type=float, help="seconds of each burst window (default: duration/8, 8..30)")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="each server's device pool")
+    ap.add_argument("--budget-mode", choices=("fixed", "arbiter"), default="fixed",
+                    help="fixed: each limit set once, the GPU held to the budget by a ballast (no controller); "
+                         "arbiter: the spare follows the burst window (kvc.py)")
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="kvcached budget of the shared servers: this fraction of what their pools want")
-    ap.add_argument("--floor-tokens", type=int, default=6144, help="no shared server's limit goes below this")
+    ap.add_argument("--floor-tokens", type=int,
+                    help="fixed: a server's limit is the budget less the others' floors; arbiter: no limit goes "
+                         "below it (default: --max-cached-tokens fixed, 6144 arbiter)")
     ap.add_argument("--max-cached-tokens", type=int, default=2048,
                     help="KVCACHED_MAX_CACHED_TOKENS of the kvcached servers: finished requests' tokens kept on the "
-                         "device (the rest lives in the host pool); below --floor-tokens, so a lowered limit takes effect")
+                         "device (the rest lives in the host pool): what an idle server keeps")
+    ap.add_argument("--gpu-utilization", type=float, default=0.95,
+                    help="KVCACHED_GPU_UTILIZATION of the kvcached servers (and the ballast's sizing)")
+    ap.add_argument("--warmup-s", type=float, default=30,
+                    help="fixed: seconds of every client on every shared server before the ballast is sized")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="fixed: seconds the shared servers stay idle before the ballast is sized")
     ap.add_argument("--hicache-ratio", type=float, default=4)
     ap.add_argument("--small-host-ratio", type=float, default=1.0,
                     help="the last shared server's --hicache-ratio (host pool smaller than its working set); 0: off")
@@ -334,11 +384,15 @@ def options(argv=None):
         return opts
     if not 2 <= len(opts.models) <= 3:
         ap.error("--models takes two or three models (one shared server each)")
-    if opts.duration <= 0 or not 0 < opts.budget_fraction < 1:
-        ap.error("--duration must be positive and --budget-fraction between 0 and 1")
-    if not 0 <= opts.max_cached_tokens < opts.floor_tokens:
-        ap.error("--max-cached-tokens must be from 0 to below --floor-tokens: kvcached lowers a pool's limit only "
-                 "once its pages in use fit under it, and a server keeps that many cached tokens in use")
+    if opts.floor_tokens is None:
+        opts.floor_tokens = 6144 if opts.budget_mode == "arbiter" else opts.max_cached_tokens
+    if opts.duration <= 0 or not 0 < opts.budget_fraction < 1 or not 0 < opts.gpu_utilization <= 1:
+        ap.error("--duration must be positive, --budget-fraction between 0 and 1, --gpu-utilization in (0, 1]")
+    if opts.max_cached_tokens < 0 or opts.floor_tokens < 0:
+        ap.error("--max-cached-tokens and --floor-tokens must be non-negative")
+    if opts.budget_mode == "arbiter" and opts.max_cached_tokens >= opts.floor_tokens:
+        ap.error("--max-cached-tokens must be below --floor-tokens with the arbiter: kvcached lowers a pool's limit "
+                 "only once its pages in use fit under it, and a server keeps that many cached tokens in use")
     if min(opts.clients, opts.burst_clients) < 0 or opts.clients + opts.burst_clients < 1:
         ap.error("--clients and --burst-clients must be non-negative, one of them positive")
     if opts.ref_duration is None:
@@ -374,6 +428,25 @@ def rebuild(events: str, out: str) -> int:
     return 0
 
 
+def dry_run(opts) -> int:
+    """--dry-run: the servers a run would start and the budget's rules, as JSON."""
+    logs = Path(opts.logs or Path(opts.out).with_name(Path(opts.out).stem + "-logs"))
+    members, small_host = fleets.build(opts, [matrix.CASES[m] for m in opts.models], logs)
+    fixed = opts.budget_mode == "fixed"
+    plan = {"budget_mode": opts.budget_mode,
+            "budget": f"{opts.budget_fraction:g} of what the shared servers' pools want (kvcached's counters)",
+            "limits": "each set once: the budget less the other shared servers' floors (--floor-tokens "
+                      f"{opts.floor_tokens} of their tokens), at most what its pool wants" if fixed else
+                      f"floors of {opts.floor_tokens} tokens, the spare to the server of the burst window",
+            "ballast": f"free - total x (1 - {opts.gpu_utilization:g}) - (budget - mapped), after {opts.warmup_s:g} s "
+                       f"of every client and {opts.settle_s:g} s idle" if fixed else None,
+            "small_host": small_host,
+            "servers": [{"label": s.label, "role": s.role, "model": s.case.name, "pool": s.case.pool,
+                         "kvcached": s.kvcached, "command": s.command, "env": s.env} for s in members.values()]}
+    print(json.dumps(plan, indent=1))
+    return 0
+
+
 def detach(argv: list[str], out: Path) -> int:
     log = out.with_name(out.stem + ".log")
     args = [a for a in argv if a != "--detach"]
@@ -402,6 +475,8 @@ def main(argv=None) -> int:
         return 0
     if opts.rebuild:
         return rebuild(opts.rebuild, opts.out)
+    if opts.dry_run:
+        return dry_run(opts)
     if opts.detach:
         return detach(argv, Path(opts.out))
     soak = Soak(opts)

@@ -24,7 +24,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-KVCACHED_ROLES = ("shared", "ref-kvcached", "rejoin")
+KVCACHED_ROLES = ("shared", "ref-kvcached", "rejoin", "warmup")
 LOAD_ROLES = ("ref-native", *KVCACHED_ROLES)
 
 
@@ -122,7 +122,7 @@ def oracle(events: list[dict]) -> dict:
 
 def summarize(events: list[dict], config: dict | None = None) -> dict:
     """The run's report from its journal (config: what the run was asked to do)."""
-    from harness.soak.kvc import reclaims as count_reclaims
+    from harness.soak.kvc import moves, reclaims
     config = dict(config or next((e["config"] for e in events if e.get("type") == "start"), {}))
     for e in events:   # the budget is set when the shared phase begins
         if e.get("type") == "budget":
@@ -161,8 +161,13 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
     budget_end = phases.get("shared", {}).get("t", float("inf"))
     budget_samples = [s for s in samples if budget_set <= s.get("t", 0) <= budget_end]
     budget = config.get("budget_bytes") or 0
-    moved = count_reclaims(budget_samples, config.get("reclaim_min_bytes", 1)) if budget_samples and budget else \
-        {"count": 0, "bytes": 0, "pairs": {}}
+    min_bytes = config.get("reclaim_min_bytes", 1)
+    if not (budget_samples and budget):
+        moved = {"count": 0, "bytes": 0, "pairs": {}}
+    elif config.get("budget_mode", "arbiter") == "arbiter":   # the first runs' journals name no mode
+        moved = reclaims(budget_samples, min_bytes)
+    else:
+        moved = moves(budget_samples, budget, min_bytes)
     shared = by_role.get("shared", [])
     begun = {e["phase"]: e for e in events if e.get("type") == "phase" and e["event"] == "begin"}
     shared_s = None
@@ -177,8 +182,8 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
         "requests": sum(1 for r in shared if r.get("outcome") == "ok"),
         "aborted_on_purpose": sum(1 for r in shared if r.get("outcome") == "aborted"),
         "errors": sum(1 for r in shared if r.get("outcome") == "error" and not r.get("expected_error")),
-        # the other loads' failures (a restarted server's rejoin, the reference loads) fail the run too
-        "errors_other_roles": {role: n for role in ("ref-native", "ref-kvcached", "rejoin")
+        # the other loads' failures (the reference loads, the warm-up, a restarted server's rejoin) fail the run too
+        "errors_other_roles": {role: n for role in ("ref-native", "ref-kvcached", "warmup", "rejoin")
                                if (n := sum(1 for r in by_role.get(role, [])
                                             if r.get("outcome") == "error" and not r.get("expected_error")))},
         "solo_ran": "solo" in begun,
@@ -255,8 +260,13 @@ def problems(report: dict) -> list[str]:
             if have.get(model, 0) < n:
                 out.append(f"{model}: {n - have.get(model, 0)} of {n} catalogue prompts have no solo reference "
                            "(their answers go unchecked)")
-    if report["config"].get("budget_bytes") and not report["reclaims"]:
-        out.append("no reclaim seen in kvcached's counters: no instance took pages another gave back")
+    config = report["config"]
+    held = config.get("ballast") or {"error": "not started"}
+    if config.get("budget_mode") == "fixed" and config.get("budget_bytes") and "error" in held:
+        out.append(f"the ballast held nothing ({held['error']}): the GPU did not hold the servers to the budget")
+    elif config.get("budget_bytes") and not report["reclaims"]:
+        out.append("no reclaim seen in kvcached's counters: no instance took pages another gave back" +
+                   (" while the budget was full" if config.get("budget_mode") == "fixed" else ""))
     for f in report["faults"]:
         if f.get("ok") is False:
             out.append(f"fault {f['kind']} on {f.get('server')}: {f.get('why', 'did not go as expected')}")

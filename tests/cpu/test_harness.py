@@ -1,7 +1,9 @@
 """One smoke test per harness tool, through the package's stand-ins (harness.fakes): each
 tool runs as on a GPU machine, against stand-in servers that answer as SGLang's do, and
 must write its report and reach its verdict. A verdict that can only pass proves nothing,
-so the comparison and the soak also run once with a server that answers wrongly.
+so the comparison and the soak also run once with a server that answers wrongly. The soak's
+budget without a controller is also tested in parts: its fixed limits, the ballast's size
+from kvcached's counters, its reclaim count on planted counters, its dry run.
 
 What the tools find on a GPU is in results/ (docs/results.md); their options and messages
 are not pinned here."""
@@ -15,8 +17,10 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +28,9 @@ from harness import bench_server, fakes, mooncake_store, project, servers
 from harness.compare import runner as compare
 from harness.compare import verdict
 from harness.fakes import mooncake_master
+from harness.sharing import ballast
+from harness.soak import fleet as fleets
+from harness.soak import kvc
 from harness.soak import run as soak
 
 ROOT = project.ROOT
@@ -152,27 +159,63 @@ def soak_args(tmp_path, monkeypatch):
     shm.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "tree"))     # the servers' SGLang: the caller's
     monkeypatch.setenv("SOAK_FAKE_SHM", str(shm))
+    monkeypatch.setenv("SOAK_FAKE_GPU", str(10 << 30))                # the GPU the servers and the ballast share
     for var in ("FAKE_WRONG_ON", "FAKE_NOISE", "FAKE_DIE_ON", "FAKE_DIE_AFTER", "SGLK_REAL_LOG",
                 "KVCACHED_MAX_CACHED_TOKENS"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "out" / "run.json"
     return out, ["--out", str(out), "--shm-dir", str(shm), "--small-catalogue", "--clients", "2",
-                 "--burst-clients", "2", "--max-new-tokens", "4", "--sample-every", "0.2", "--progress-every", "2",
+                 "--burst-clients", "2", "--max-new-tokens", "8", "--sample-every", "0.1", "--progress-every", "2",
                  "--restart-timeout", "20", "--ready-timeout", "20", "--max-total-tokens", "4096",
-                 "--floor-tokens", "800", "--max-cached-tokens", "400", "--budget-fraction", "0.3",
+                 "--max-cached-tokens", "400", "--budget-fraction", "0.15", "--warmup-s", "1", "--settle-s", "0.2",
                  "--ref-duration", "2", "--burst-period", "3", "--request-timeout", "20", "--duration", "6"]
 
 
-def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(soak_args):
+@pytest.mark.parametrize("mode", ["fixed", "arbiter"])
+def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(soak_args, mode):
     out, args = soak_args
-    assert soak.main(args) == 0
+    extra = [] if mode == "fixed" else ["--budget-mode", "arbiter", "--floor-tokens", "800", "--budget-fraction", "0.3"]
+    assert soak.main([*args, *extra]) == 0
     report = json.loads(out.read_text())
     assert report["result"] == "pass", report["problems"]
     assert report["requests"] > 50 and report["host_hit_tokens"] > 0 and report["reclaims"] > 0
     assert {f["kind"]: f["ok"] for f in report["faults"]} == dict.fromkeys(
         ("small-host-pool", "disconnects", "flush-under-load", "kill-9"), True)
-    again = soak.verdict.summarize(soak.verdict.read_journal(out.with_name("run.events.jsonl")))
+    events = soak.verdict.read_journal(out.with_name("run.events.jsonl"))
+    again = soak.verdict.summarize(events)
     assert (again["requests"], again["reclaims"], again["result"]) == (report["requests"], report["reclaims"], "pass")
+    config = report["config"]
+    assert config["budget_mode"] == mode and [s["model"] for s in report["servers"] if s["role"] == "shared"] == \
+        list(soak.DEFAULT_MODELS)
+    if mode == "fixed":
+        # no controller: a live shared server's limit is the one set at the start, in every
+        # sample (the killed one's set back when it restarted); the ballast left the servers
+        # the budget and they never mapped more
+        began = next(e["t"] for e in events if e["type"] == "budget")
+        warm = [e for e in events if e["type"] == "request" and e["role"] == "warmup"]   # the allocators grown first
+        assert warm and all(e.get("match") for e in warm) and max(e["t"] for e in warm) < began
+        seen = [(n, c["limit"]) for e in events if e["type"] == "sample" and e["t"] >= began
+                for n, c in e["instances"].items() if c["role"] == "shared" and c["live"]]
+        assert {n for n, _ in seen} == set(config["limits_bytes"]) and all(
+            limit == config["limits_bytes"][n] for n, limit in seen)
+        at_start = next(e for e in events if e["type"] == "sample" and e["t"] >= began)["instances"]
+        assert config["ballast"]["mapped"] == sum(kvc.mapped(c) for c in at_start.values() if c["role"] == "shared") > 0
+        assert config["ballast"]["left_for_kv"] == config["budget_bytes"] - config["ballast"]["mapped"]
+        assert 0 < report["budget"]["mapped_max_bytes"] <= config["budget_bytes"]
+        # its reclaims: pages one server gave back and another mapped with the budget full
+        ended = next(e["t"] for e in events if e["type"] == "phase" and e["phase"] == "shared" and e["event"] == "end")
+        budget_samples = [e for e in events if e["type"] == "sample" and began <= e["t"] <= ended]
+        assert kvc.moves(budget_samples, config["budget_bytes"], config["reclaim_min_bytes"])["count"] == \
+            report["reclaims"]
+
+
+def test_the_soak_fails_when_the_gpu_cannot_hold_the_budget(soak_args, monkeypatch):
+    out, args = soak_args
+    monkeypatch.setenv("SOAK_FAKE_GPU", str(20 << 20))      # less free than the budget: the ballast holds nothing
+    assert soak.main([*args, "--no-reference", "--duration", "2"]) == 1
+    report = json.loads(out.read_text())
+    assert report["result"] == "fail" and "error" in report["config"]["ballast"] and not report["requests"]
+    assert any("ballast" in p for p in report["problems"])
 
 
 def test_the_soak_fails_a_server_that_answers_wrongly_from_host(soak_args, monkeypatch):
@@ -182,6 +225,113 @@ def test_the_soak_fails_a_server_that_answers_wrongly_from_host(soak_args, monke
     report = json.loads(out.read_text())
     assert report["result"] == "fail" and report["mismatches"] > 0
     assert {(d["server"], d["kind"]) for d in report["oracle"]["details"]} == {("s0", "real")}
+
+
+MIB = 1 << 20
+
+
+def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
+    """The fixed mode's limits: the budget less the others' floors, at most what a pool
+    wants, split over an instance's segments; written when the shared phase begins, never
+    changed under load, written again (the same bytes) where a restart wrote its full size."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1": 24 * MIB}   # t_s2: KV and Mamba
+    up = threading.Event()
+    up.set()
+    members = {f"s{i}": SimpleNamespace(label=f"s{i}", role="shared", kvcached=True, ipc_name=f"t_s{i}", up=up)
+               for i in range(3)}
+    fleet = fleets.Fleet(members, fleets.Journal(tmp_path / "journal.jsonl", time.time()))
+    budget = kvc.Budget(fleet, str(shm), max_total_tokens=4096, burst_period=1.0)
+
+    def write(seg, limit=None, used=0, prealloc=0):      # as kvcached does: the limit at start, then its use
+        limit = kvc.read_segment(shm / seg)[0] if limit is None else limit
+        (shm / seg).write_bytes(kvc.RECORD.pack(limit, used, prealloc))
+
+    for seg, want in wants.items():
+        write(seg, want)
+    # budget 28 MiB; floors (512 tokens) 8, 2 and 4 MiB
+    got = budget.share(list(members.values()), fraction=0.25, floor_tokens=512)
+    assert got["limits_bytes"] == {"s0": 22 * MIB, "s1": 16 * MIB, "s2": 18 * MIB}
+    fixed = {"t_s0": 22 * MIB, "t_s1": 16 * MIB, "t_s2": 18 * MIB // 4, "t_s2_g1": 18 * MIB * 3 // 4}
+    first = [(seg, fixed[seg]) for seg in ("t_s0", "t_s2", "t_s2_g1")]     # t_s1 holds its limit already
+    assert budget.limits.writes == first
+    fleet.shared_t0 = time.time() - 5
+    for step in range(12):                               # load moving from server to server
+        for i, seg in enumerate(wants):
+            write(seg, used=(step * 7 + i * 3) % 11 * MIB, prealloc=MIB * (step % 2))
+        budget.sample()
+    assert budget.limits.writes == first
+    write("t_s2", wants["t_s2"])                          # t_s2 restarted: kvcached wrote its full size
+    write("t_s2_g1", wants["t_s2_g1"])
+    budget.sample()
+    assert budget.limits.writes == first + [("t_s2", fixed["t_s2"]), ("t_s2_g1", fixed["t_s2_g1"])]
+    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
+    samples = [e for e in soak.verdict.read_journal(tmp_path / "journal.jsonl") if e["type"] == "sample"]
+    assert len(samples) == 13 and all(c["limit"] == got["limits_bytes"][n] for e in samples
+                                      for n, c in e["instances"].items())
+
+
+def test_the_ballast_leaves_the_shared_servers_the_budget_less_what_their_counters_say_they_map(tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    records = {"a": (64 * MIB, 30 * MIB, 2 * MIB), "a_g1": (32 * MIB, 10 * MIB, 0), "b": (16 * MIB, 0, 4 * MIB),
+               "other": (64 * MIB, 50 * MIB, 0)}     # another instance on the GPU, not under the budget
+    for name, rec in records.items():
+        (shm / name).write_bytes(kvc.RECORD.pack(*rec))
+    mapped = kvc.mapped_bytes(str(shm), ["a", "b"])
+    assert mapped == 46 * MIB
+    total, budget = 1 << 30, 100 * MIB
+    monkeypatch.delenv(ballast.FAKE, raising=False)
+    monkeypatch.setenv(ballast.FAKE_SHARED, str(total))
+    monkeypatch.setenv(ballast.FAKE_SHM, str(shm))
+    holder = ballast.Holder()
+    info = holder.start(sys.executable, budget, mapped, 0.9, None, tmp_path / "ballast.log", 60)
+    try:
+        headroom = ballast.headroom(total, 0.9)
+        assert info["held"] == total - 96 * MIB - headroom - (budget - mapped)
+        # held, it leaves the servers what the budget has left above what they map, no more
+        in_use = sum(r[1] + r[2] for r in map(kvc.read_segment, shm.iterdir()) if r)
+        assert total - in_use - headroom == budget - mapped
+    finally:
+        holder.stop()
+    assert sorted(p.name for p in shm.iterdir()) == sorted(records)
+
+
+def moved(steps: list[dict], budget_mib: int) -> dict:
+    """kvc.moves over samples of mapped MiB, one a second."""
+    samples = [{"t": t, "instances": {n: {"limit": 1 << 40, "used": v * MIB, "prealloc": 0, "live": True,
+                                          "role": "shared"} for n, v in step.items()}}
+               for t, step in enumerate(steps)]
+    return kvc.moves(samples, budget_mib * MIB, 2 * MIB)
+
+
+def test_a_reclaim_without_a_controller_is_a_page_one_server_gave_back_and_another_mapped_with_the_budget_full():
+    # a gives 80 MiB back, b maps them up to the budget
+    assert moved([{"a": 100, "b": 20}, {"a": 20, "b": 20}, {"a": 20, "b": 100}], 120) == \
+        {"count": 1, "bytes": 80 * MIB, "pairs": {"a->b": 80 * MIB}}
+    # both only shrink
+    assert moved([{"a": 100, "b": 20}, {"a": 60, "b": 15}, {"a": 20, "b": 10}], 120)["count"] == 0
+    # b grows into pages the budget had free: nothing had to move
+    assert moved([{"a": 100, "b": 20}, {"a": 20, "b": 20}, {"a": 20, "b": 100}], 240)["count"] == 0
+    # b gives 80 MiB to a, then maps again what it held a moment ago: one move, not two
+    assert moved([{"a": 20, "b": 100}, {"a": 100, "b": 20}, {"a": 20, "b": 100}], 120) == \
+        {"count": 1, "bytes": 80 * MIB, "pairs": {"b->a": 80 * MIB}}
+
+
+def test_a_dry_run_shows_the_three_models_on_fixed_limits_with_cuda_graphs_and_starts_nothing(tmp_path, capsys):
+    out = tmp_path / "soak" / "run.json"
+    assert soak.main(["--dry-run", "--out", str(out)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    shared = [s for s in plan["servers"] if s["role"] == "shared"]
+    assert [(s["model"], s["pool"]) for s in shared] == [("qwen2-tiny", "mha"), ("deepseek-v2-tiny", "mla"),
+                                                         ("qwen3.5-tiny", "mamba")]
+    assert plan["budget_mode"] == "fixed" and plan["ballast"]
+    assert not any("--disable-cuda-graph" in s["command"] for s in plan["servers"])
+    # the hybrid's Mamba cell (over 2 MiB) on 4 MiB pages; the ballast and kvcached agree on the headroom
+    assert [s["env"].get("KVCACHED_PAGE_SIZE_MB") for s in shared] == [None, None, "4"]
+    assert {s["env"]["KVCACHED_GPU_UTILIZATION"] for s in plan["servers"] if s["kvcached"]} == {"0.95"}
+    assert not any(out.parent.glob("run.*"))
 
 
 # ---------------------------------------------------------------- the server benchmark

@@ -23,21 +23,19 @@ from harness.compare import matrix
 from harness.compare import verdict as judge
 
 class Journal:
-    """Events, one JSON object a line, flushed at once; thread-safe."""
+    """Events, one JSON object a line, on disk at once (the file opened for each); thread-safe."""
 
     def __init__(self, path: Path, started: float):
         self.path, self.started = path, started
         self.lock = threading.Lock()
-        self.handle = open(path, "a")
 
     def now(self) -> float:
         return round(time.time() - self.started, 3)
 
     def write(self, event: dict) -> dict:
         event = {"t": self.now(), **event}
-        with self.lock:
-            self.handle.write(json.dumps(event) + "\n")
-            self.handle.flush()
+        with self.lock, open(self.path, "a") as handle:
+            handle.write(json.dumps(event) + "\n")
         return event
 
 

@@ -91,7 +91,8 @@ export-patches:
 # The linters, then the CPU tier in two parts, every test once (tests/support/cpu_tier.py):
 # the tests the image's build runs, as it runs them (in a copy of what the Dockerfile copies,
 # against SGLang installed editable as the image's base installs it: a test that fails
-# there fails here, not in `make image`), then the rest in the checkout.
+# there fails here, not in `make image`), and beside it the rest in the checkout (its output
+# shown after the image's part).
 # -rs: every skipped test and its reason show in the summary (tests/cpu/conftest.py skips
 # the Mooncake L3 tests, saying so, where Debian's libibverbs1 is missing). One file:
 #   PRISTINE_SGLANG=$$(scripts/build-pristine)/python PYTHONPATH=build/sglang-patched/python:. \

@@ -240,15 +240,6 @@ def test_base_requirements_and_pyproject(tmp_path):
     project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
     assert project["project"]["scripts"] == {"sglang": "sglang.cli.main:main", "killall_sglang": "sglang.cli.killall:main"}
     assert project["project"]["entry-points"] == {"x.plugins": {"A": "b:c"}}
-    (tmp_path / "entry_points.txt").write_text("sglang = x\n")
-    bad_entry_points = base_wheels("pyproject", str(tmp_path / "METADATA"))
-    assert bad_entry_points.returncode == 2 and bad_entry_points.stderr.startswith("error: not an entry_points.txt file")
-    (tmp_path / "entry_points.txt").unlink()
-    (tmp_path / "bad").write_text("hello\n")
-    bad = base_wheels("requirements", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and bad.stderr == "error: not a wheel METADATA file (no Name or Version)\n"
-    missing = base_wheels("requirements", str(tmp_path / "none"))
-    assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read ") and "Traceback" not in missing.stderr
 
 
 def test_base_platform_args():
@@ -283,13 +274,11 @@ def test_base_drops_what_cannot_resolve(tmp_path):
     (tmp_path / "log").write_text(pulled)
     out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
     assert out.stdout == "outlines\n" and (tmp_path / "reqs").read_text() == "aiohttp\n"
-    # Nothing to drop: a clear error, the file untouched.
-    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
-    assert out.returncode == 2 and "outlines-core is not a requirement" in out.stderr
-    (tmp_path / "log").write_text("ERROR: network down\n")
-    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
-    assert out.returncode == 2 and out.stderr == "error: the pip log names no distribution it could not find\n"
-    assert (tmp_path / "reqs").read_text() == "aiohttp\n"
+    # Nothing to drop: an error, the file untouched.
+    for log in (pulled, "ERROR: network down\n"):
+        (tmp_path / "log").write_text(log)
+        out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+        assert out.returncode == 2 and (tmp_path / "reqs").read_text() == "aiohttp\n"
 
 
 # ci/image/engine.sh: the engine `make image` and the image scripts use, and its fixes.
@@ -346,11 +335,10 @@ def test_podman_runs_with_a_runtime_that_works_on_the_host(tmp_path, runtime, cg
     assert ("runtime runc" in check.stdout) is (command != "podman" or runtime == "runc")
 
 
-def test_crun_on_hybrid_cgroups_without_runc_is_one_line_naming_the_fix(tmp_path):
-    env = engine_host(tmp_path, "crun", "hybrid", runc=False)
-    check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+def test_crun_on_hybrid_cgroups_without_runc_is_refused_before_a_build(tmp_path):
+    check = subprocess.run([str(ENGINE), "check"], env=engine_host(tmp_path, "crun", "hybrid", runc=False),
+                           capture_output=True, text=True)
     assert check.returncode == 2 and check.stdout == ""
-    assert check.stderr.count("\n") == 1 and "hybrid" in check.stderr and "apt-get install runc" in check.stderr
 
 
 def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
@@ -367,24 +355,13 @@ def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
     assert sourced(dict(env, IMAGE_RUN_FLAGS=""))[1] == ""
 
 
-def test_a_missing_engine_is_one_line(tmp_path):
-    env = engine_host(tmp_path, "runc", "v2", runc=True)
-    check = subprocess.run([str(ENGINE), "check"], env=dict(env, CONTAINER_ENGINE="no-such-engine"),
-                           capture_output=True, text=True)
-    assert check.returncode == 2 and check.stderr.count("\n") == 1
-    assert "'no-such-engine' not found" in check.stderr and "apt-get install podman buildah runc" in check.stderr
-
-
 @pytest.mark.parametrize("log, hint", [
     ("ERROR: ... [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer", "CA bundle"),
     ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
     ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
     ("ERROR: No matching distribution found for kvcached==0.1.6", None),
-    # The base out of reach or unknown (docker's and podman's words), and docker's daemon gone:
-    # the way out named is the stand-in base.
-    ('ERROR: failed to solve: docker.io/a/b@sha256:0: failed to resolve source metadata for docker.io/a/b@sha256:0: '
-     'failed to do request: Head "https://registry-1.docker.io/v2/a/b/manifests/sha256:0": dial tcp: lookup '
-     'registry-1.docker.io: no such host', "localhost/sglang-standin"),
+    # The base unknown (docker's and podman's words; out of reach: `make image` below), docker's
+    # daemon gone: the way out named is the stand-in base.
     ("ERROR: failed to solve: a/b:c: failed to resolve source metadata for docker.io/a/b:c: docker.io/a/b:c: not found",
      "localhost/sglang-standin"),
     ("pull access denied for a/b, repository does not exist or may require 'docker login'", "localhost/sglang-standin"),

@@ -24,10 +24,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import bench_server, fakes, mooncake_store, project, servers
+from harness import bench_server, fakes, project, servers
 from harness.compare import runner as compare
 from harness.compare import verdict
-from harness.fakes import mooncake_master
 from harness.sharing import ballast
 from harness.soak import fleet as fleets
 from harness.soak import kvc
@@ -132,22 +131,6 @@ def test_compare_fails_a_kvcached_server_whose_answers_differ(compare_trees, tmp
     assert compare.main([*compare_trees, "--variants", "native", "elastic-contiguous", "--out", str(out)]) == 1
     rows = json.loads(out.read_text())["rows"]
     assert [r["result"] for r in rows] == ["oracle", "differs from native"]
-
-
-# ---------------------------------------------------------------- the Mooncake store
-
-def test_a_mooncake_master_serves_until_stopped_and_one_that_exits_fails_start(tmp_path, monkeypatch):
-    binary = mooncake_master.executable(tmp_path)
-    monkeypatch.delenv("FAKE_MASTER", raising=False)
-    master = mooncake_store.MooncakeMaster(tmp_path / "master.log", binary)
-    with master.running():
-        assert len(set(master.ports)) == 3 and all(serves(p) for p in master.ports)
-        assert master.extra_config("row")["master_server_address"] == f"127.0.0.1:{master.rpc_port}"
-        proc = master.proc
-    assert proc.poll() is not None and not any(serves(p) for p in master.ports)
-    monkeypatch.setenv("FAKE_MASTER", "exit")
-    with pytest.raises(mooncake_store.MasterError):
-        mooncake_store.MooncakeMaster(tmp_path / "exits.log", binary).start()
 
 
 # ---------------------------------------------------------------- the soak

@@ -52,39 +52,19 @@ def copy_pristine(dest: Path) -> Path:
 
 
 def test_installed_folder(tmp_path):
+    """Given as --python env/bin/python, relative to the caller's folder (the script runs the
+    interpreter from another folder); then again by its absolute path."""
     site = copy_pristine(tmp_path / "site")
-    proc = install(site)
+    (tmp_path / "env").symlink_to(Path(sys.executable).parent.parent)  # a venv or an installation
+    relative = f"env/bin/{Path(sys.executable).name}"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"), "--python", relative],
+                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))
     assert proc.returncode == 0, proc.stderr
     assert f"sglang imports from {site / 'sglang'}" in proc.stdout
     assert "series applied" in proc.stdout and "ok:" in proc.stdout
     assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
     again = install(site)  # idempotent: a rebuilt layer or a second run changes nothing
     assert again.returncode == 0 and "already applied" in again.stdout
-
-
-def test_a_relative_interpreter_path_is_taken_from_where_it_was_given(tmp_path):
-    """--python env/bin/python, relative to the caller's folder (the script runs the interpreter from
-    another folder)."""
-    site = copy_pristine(tmp_path / "site")
-    (tmp_path / "env").symlink_to(Path(sys.executable).parent.parent)  # a venv or an installation
-    relative = f"env/bin/{Path(sys.executable).name}"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"), "--python", relative],
-                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))
-    assert proc.returncode == 0 and "series applied" in proc.stdout, proc.stderr
-    assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
-
-
-def test_editable_checkout_is_patched_at_its_root(tmp_path):
-    checkout = tmp_path / "sglang-checkout"
-    copy_pristine(checkout / "python")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True)
-    subprocess.run([*git, "commit", "-qm", "v0.5.20"], cwd=checkout, check=True)
-    proc = install(checkout / "python")
-    assert proc.returncode == 0, proc.stderr
-    assert f"applying the series to {checkout}" in proc.stdout
-    assert "(checkout layout): series applied" in proc.stdout
 
 
 def test_no_sglang_is_a_clear_error(tmp_path):
@@ -151,12 +131,18 @@ def test_an_interpreter_that_cannot_run_is_one_line(tmp_path, python):
     assert proc.returncode == 1 and proc.stderr == f"error: cannot run {python}: No such file or directory; nothing changed\n"
 
 
-def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
-    """Found by the image's build: the tier's pytest left its temporary folders in /tmp,
-    over 500 MB in the image's layer. The tier must get a --basetemp that is removed
+def test_an_editable_checkout_is_patched_at_its_root_and_the_tier_leaves_no_temporary_folders(tmp_path):
+    """As in the image: SGLang an editable checkout, patched at its root, and the tier run
+    against it. Found by the image's build: the tier's pytest left its temporary folders in
+    /tmp, over 500 MB in the image's layer. The tier must get a --basetemp that is removed
     afterwards. Here a stand-in interpreter plays pytest (writes into --basetemp, records
     its arguments) and passes everything else to the real one."""
-    site = copy_pristine(tmp_path / "site")
+    checkout = tmp_path / "sglang-checkout"
+    copy_pristine(checkout / "python")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "v0.5.20"], cwd=checkout, check=True)
     temp, log = tmp_path / "temp", tmp_path / "pytest-args"
     temp.mkdir()
     fake = tmp_path / "python"
@@ -170,10 +156,12 @@ def test_the_cpu_tier_leaves_no_temporary_folders(tmp_path):
         exec {sys.executable} "$@"
         """))
     fake.chmod(0o755)
-    env = dict(os.environ, PYTHONPATH=str(site), TMPDIR=str(temp))
+    env = dict(os.environ, PYTHONPATH=str(checkout / "python"), TMPDIR=str(temp))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install-into-python"), "--python", str(fake),
                            "--run-cpu-tier"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
+    assert f"applying the series to {checkout}" in proc.stdout
+    assert "(checkout layout): series applied" in proc.stdout
     args = log.read_text().splitlines()
     assert "--basetemp" in args and Path(args[args.index("--basetemp") + 1]).is_relative_to(temp)
     # The tests it runs are the ones `make test` runs in a copy of the image's folder.

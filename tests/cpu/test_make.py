@@ -1,9 +1,10 @@
-"""The first hour: the Makefile and the scripts around it, run as a newcomer runs them.
+"""The first hour: what `make` does that no linter sees, run as a newcomer runs it.
 
-The Python floor (the pins' own Requires-Python), ci/venv (refuses an old Python in
-one line; makes a broken, half-built or other-interpreter venv again), `make`'s import
-check (no GPU-only warnings, errors shown), `make status` and FORCE, every script's
---help (usage, exit 0, nothing done), the Mooncake skip without libibverbs1, and .gitignore.
+The Python floor (the pins' own Requires-Python), ci/venv (refuses an old Python before
+making anything; makes a broken, half-built or other-interpreter venv again), `make`'s
+import check (no GPU-only warnings, errors shown), the series targets (only SGLANG_DIR,
+quoted; `make status` whatever the state; only FORCE=1 forces), the Mooncake skip
+without libibverbs1, and .gitignore.
 """
 from __future__ import annotations
 
@@ -55,9 +56,6 @@ def test_the_python_floor_is_the_pins_own():
         assert meta["Version"] == version, package  # the environment this runs in is the pinned one
         needs[package] = lowest(meta.get("Requires-Python"))
     assert floor() == max(needs.values())
-    why = re.search(r"^# requires-python: >=[0-9.]+ \((.*) need it\)$", REQS.read_text(), re.M).group(1)
-    named = {p.split()[0] for p in why.replace(" and ", ", ").split(", ")}
-    assert named == {p for p, need in needs.items() if need == floor()}
 
 
 def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
@@ -73,7 +71,9 @@ def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
 
 def venv(root: Path, *args: str, python: str = sys.executable, given: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_VENV")}
-    env.update(PYTHON=python, SGLANG_VENV_PYTHON_GIVEN="1" if given else "0")
+    # pip offline: the requirements are empty, and `pip install --upgrade pip` has what it needs
+    env.update(PYTHON=python, SGLANG_VENV_PYTHON_GIVEN="1" if given else "0", PIP_NO_INDEX="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
     return subprocess.run([str(root / "ci" / "venv"), *args], cwd=root, capture_output=True, text=True, env=env)
 
 
@@ -81,10 +81,9 @@ def test_an_old_python_is_refused_in_one_line_before_anything_is_made(tmp_path):
     root = copy_for_venv(tmp_path, "99.0")
     proc = venv(root, ".venv")
     assert proc.returncode == 1 and not (root / ".venv").exists()
-    assert len(proc.stderr.splitlines()) == 1 and "needs Python 99.0 or newer" in proc.stderr
-    assert f"is Python {sys.version.split()[0]}" in proc.stderr and "make PYTHON=python99.0" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "99.0" in proc.stderr
     missing = venv(root, ".venv", python=str(tmp_path / "no-python"))
-    assert missing.returncode == 1 and len(missing.stderr.splitlines()) == 1 and "cannot run" in missing.stderr
+    assert missing.returncode == 1 and not (root / ".venv").exists()
 
 
 @pytest.fixture(scope="module")
@@ -161,64 +160,6 @@ def test_the_import_check_hides_only_the_gpu_warnings(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ImportError: a real error" in proc.stderr
 
 
-def test_the_tier_hides_only_the_gpu_warnings_too(tmp_path):
-    """`make test`'s warnings summary leaves out SGLang's AWQ/GGUF "Only CUDA ..." import
-    warnings, as the import check does (tests/cpu/conftest.py), and shows any other."""
-    (tmp_path / "test_warns.py").write_text(
-        "import warnings\n\n\ndef test_imports_the_quantization_modules():\n"
-        "    import sglang.srt.layers.quantization.awq.awq, sglang.srt.layers.quantization.gguf  # noqa: F401\n"
-        "    warnings.warn('another warning', UserWarning)\n")
-
-    def summary(*plugin: str) -> str:
-        path = os.pathsep.join(str(Path(p).resolve()) for p in os.environ["PYTHONPATH"].split(os.pathsep) if p)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, "test_warns.py"],
-                              cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout
-
-    without = summary()  # the check can fail: with no filter, SGLang's two warnings are in the summary
-    assert "Only CUDA, HIP and XPU support AWQ" in without and "Only CUDA, MUSA and NPU support GGUF" in without
-    with_conftest = summary("-p", "tests.cpu.conftest")
-    assert "another warning" in with_conftest and "Only CUDA" not in with_conftest, with_conftest
-
-
-SCRIPTS = sorted([p for p in (ROOT / "scripts").iterdir() if not p.name.startswith("_") and os.access(p, os.X_OK)]
-                 + [ROOT / "ci" / "venv"] + list((ROOT / "harness").glob("*.sh")))
-
-
-def test_every_script_is_listed():
-    names = {p.name for p in SCRIPTS}
-    assert {"apply", "reverse", "status", "build-pristine", "fetch-wheel", "venv", "trees.sh"} <= names
-
-
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_help_says_how_and_does_nothing(tmp_path, script, flag):
-    """Each script run from a scratch copy of this repository's scripts: its usage on
-    stdout, exit 0, and no file made or changed in the copy (nor in build/)."""
-    root = tmp_path / "root"
-    for part in ("scripts", "patches", "harness", "requirements"):
-        shutil.copytree(ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "ci").mkdir()
-    shutil.copy2(ROOT / "ci" / "venv", root / "ci" / "venv")
-    shutil.copy2(ROOT / "sglang.pin", root / "sglang.pin")
-    before = sorted(p for p in root.rglob("*") if "__pycache__" not in p.parts)
-    copy = root / script.relative_to(ROOT)
-    proc = subprocess.run([str(copy), flag], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHON": str(tmp_path / "no-python")})
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout.lower()
-    assert ("usage" in text or f"scripts/{script.name}" in text or script.name in text) and len(text.splitlines()) > 2
-    assert sorted(p for p in root.rglob("*") if "__pycache__" not in p.parts) == before
-    assert not (tmp_path / "build").exists()
-
-
-def test_status_help_gives_the_exit_codes():
-    text = subprocess.run([str(ROOT / "scripts" / "status"), "--help"], capture_output=True, text=True).stdout
-    for code in ("0 ", "3 ", "1 ", "130"):
-        assert re.search(rf"^\s+{code}", text, re.M), code
-
-
 def test_make_status_prints_the_state_without_an_error(tmp_path):
     from tests.support.series_trees import needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
     pristine = Path(os.environ["PRISTINE_SGLANG"])
@@ -247,22 +188,7 @@ def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
         assert "pass --force to take the series out" in direct.stderr
 
 
-def test_make_shows_what_the_scripts_say_not_its_internal_lines(tmp_path):
-    """Without -s, `make apply-patches`, `unapply-patches` and `status` print what the
-    scripts print, not the command lines make runs them with (SERIES_FORCE_HINT=...)."""
-    from tests.support.series_trees import REAL
-
-    tree = REAL.tree(tmp_path / "tree", "installed")
-    for target, first in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "SGLang 0.5.20 at"),
-                          ("unapply-patches", "")):
-        proc = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), target, f"SGLANG_DIR={tree}"],
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        assert "scripts/" not in proc.stdout.split(str(tree))[0] and "SERIES_FORCE_HINT" not in proc.stdout, proc.stdout
-        assert proc.stdout.startswith(first), proc.stdout
-
-
-def test_make_quotes_sglang_dir_and_lists_one_patch_a_line(tmp_path):
+def test_make_quotes_sglang_dir(tmp_path):
     from tests.support.series_trees import REAL, digest
 
     tree = REAL.tree(tmp_path / "a b", "installed")
@@ -272,13 +198,6 @@ def test_make_quotes_sglang_dir_and_lists_one_patch_a_line(tmp_path):
         proc = make(target, f"SGLANG_DIR={tree}")
         assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
     assert digest(tree) == before
-    assert all(len(line) < 200 for line in proc.stdout.splitlines()), proc.stdout  # not all names on one line
-
-
-def test_a_file_as_sglang_dir_is_named_as_what_it_is(tmp_path):
-    (tmp_path / "file").write_text("")
-    proc = make("apply-patches", f"SGLANG_DIR={tmp_path / 'file'}")
-    assert proc.returncode != 0 and "is a file, not a folder" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("target", ["apply-patches", "unapply-patches", "status"])

@@ -13,7 +13,9 @@ where and as the image's build runs it:
    .pth in site-packages), not PYTHONPATH, and patched there by the image's install step
    (scripts/install-into-python, run from the copy, as the Dockerfile runs it);
 2. the rest (`project_files`, `l3_store`: checks of this project's own files, the
-   Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH.
+   Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH, at
+   the same time as part 1 (much of it waits on stand-in servers and subprocesses; two
+   cores overlap the parts), its output held back and shown after part 1's.
 
 So a test that reads a file the image lacks (README.md, docs/, the Makefile, git
 history) without being marked `project_files`, or that relies on PYTHONPATH choosing
@@ -30,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import site
 import subprocess
 import sys
@@ -131,33 +134,43 @@ def _share(src: Path, dst: Path) -> None:
                 shutil.copy2(path, dst / path.name)
 
 
-def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | None = None,
-           python: Path | str = sys.executable) -> int:
+def pytest_command(args: list[str], part: list[str], cwd: Path, python: Path | str = sys.executable) -> list[str] | None:
     """pytest over ``part`` (its -m selection and folders), or, where ``args`` name test files
-    or ids (tests/cpu/test_x.py::test_y), over those of them in the part's folders."""
+    or ids (tests/cpu/test_x.py::test_y), over those of them in the part's folders; None
+    where the part has none of them."""
     folders = [a for a in part[2:] if not a.startswith("-")] if part[:1] == ["-m"] else part
     options = part[:len(part) - len(folders)]
     folders = [f for f in folders if (cwd / f).is_dir()]
     if not folders:
-        return NOTHING_RAN
+        return None
     named = [a for a in args if not a.startswith("-") and (cwd / a.split("::")[0]).exists()]
     mine = [a for a in named if any((a + "/").startswith(f.rstrip("/") + "/") for f in folders)]
     if named and not mine:
-        return NOTHING_RAN
+        return None
     others = [a for a in args if a not in named]
-    return subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", *others, *options,
-                           *(mine or folders)], cwd=cwd, env=env).returncode
+    return [str(python), "-m", "pytest", "-p", "no:cacheprovider", *others, *options, *(mine or folders)]
+
+
+def pytest(args: list[str], part: list[str], cwd: Path, env: dict[str, str] | None = None,
+           python: Path | str = sys.executable) -> int:
+    """pytest_command's run: its exit status (NOTHING_RAN where there is nothing to run)."""
+    command = pytest_command(args, part, cwd, python)
+    return NOTHING_RAN if command is None else subprocess.run(command, cwd=cwd, env=env).returncode
+
+
+def pristine_tree() -> Path:
+    pristine = os.environ.get("PRISTINE_SGLANG")
+    if not pristine:
+        raise LayoutError("PRISTINE_SGLANG is not set: the image's part installs a copy of that pristine tree "
+                          "(make test sets it)")
+    return Path(pristine).resolve()
 
 
 def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
     """Part 1: lay out the image's folder in a temporary one, install SGLang as the image's
     base does, run the image's install step and then its tests there with ``pytest_args``
     added, remove the folder; pytest's exit status (or the install step's)."""
-    pristine = os.environ.get("PRISTINE_SGLANG")
-    if not pristine:
-        raise LayoutError("PRISTINE_SGLANG is not set: the image's part installs a copy of that pristine tree "
-                          "(make test sets it)")
-    pristine = Path(pristine).resolve()
+    pristine = pristine_tree()
     base = Path(tempfile.mkdtemp(prefix="image-tier-")).resolve()
     try:
         if base.is_relative_to(root.resolve()):
@@ -184,12 +197,41 @@ def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C to a process's group (pytest tears its fixtures down), then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone
+            break
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
 def main(argv: list[str], root: Path = ROOT) -> int:
     if argv[:1] == ["--image-part"]:
         return run_image_part(argv[1:], root)
-    parts = {"the image's tests": run_image_part(argv, root)}
-    print("== the rest (project_files, l3_store) in the checkout", flush=True)
-    parts["the rest"] = pytest(argv, REST, root)
+    pristine_tree()
+    rest = pytest_command(argv, REST, root)
+    with tempfile.TemporaryFile() as held:  # the rest's output, shown after the image's part
+        # A session of its own, so that it can be stopped whole (its servers too) if part 1 stops.
+        started = rest and subprocess.Popen(rest, cwd=root, stdin=subprocess.DEVNULL, stdout=held,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            parts = {"the image's tests": run_image_part(argv, root)}
+        except BaseException:
+            if started:
+                stop(started)
+            raise
+        print("== the rest (project_files, l3_store) in the checkout, run beside the image's tests", flush=True)
+        parts["the rest"] = started.wait() if started else NOTHING_RAN
+        held.seek(0)
+        shutil.copyfileobj(held, sys.stdout.buffer)
+        sys.stdout.flush()
     print("== tests/upstream in the checkout", flush=True)
     parts["tests/upstream"] = pytest(argv, UPSTREAM, root)
     if all(status == NOTHING_RAN for status in parts.values()):

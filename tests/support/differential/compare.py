@@ -121,30 +121,6 @@ def report(differences: Differences, limit: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _steps_that(doc: dict, kind: str, keep) -> int:
-    return sum(1 for case in doc["cases"] for step in case["steps"] if step["step"].startswith(kind) and keep(step))
-
-
-def summary_table(pristine: dict, patched: dict) -> str:
-    """The numbers of two runs side by side, as docs/differential.md shows a GPU run."""
-    ran = lambda step: "error" not in step and "not_run" not in step  # noqa: E731
-    rows = [
-        ("cases", lambda d: len(d["cases"])),
-        ("steps", lambda d: d["steps"]),
-        ("steps not run (an AOT op: `direct` io, `page_head`, MLA per-layer AOT copies)",
-         lambda d: d["steps_not_run"]),
-        ("byte trips through the real kernels (backup + load, every host and device byte compared)",
-         lambda d: _steps_that(d, "trip", ran)),
-        ("storage steps run (`get_data_page`, `set_from_flat_data_page`, metadata)",
-         lambda d: _steps_that(d, "storage", ran)),
-        ("runner time, s", lambda d: round(d["seconds"])),
-    ]
-    lines = ["| | pristine | patched |", "|---|---|---|"]
-    lines += [f"| {name} | {value(pristine):,} | {value(patched):,} |" for name, value in rows]
-    lines.append(f"| cases that differ | {len(compare(pristine, patched).first)} | |")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     """python -m tests.support.differential.compare PRISTINE.json PATCHED.json"""
     import argparse

@@ -131,16 +131,20 @@ class Holder:
             self.proc = proc
         return {"mapped": mapped, **info}
 
-    def stop(self) -> None:
+    def stop(self) -> str | None:
+        """Stop it; a line saying so where it had exited before (its memory was free again:
+        the GPU no longer held the pools to the budget), else None."""
         proc, self.proc = self.proc, None
         if proc is None:
-            return
+            return None
+        code = proc.poll()
         try:
             proc.stdin.close()
             proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             servers.stop(proc, grace=5)
         proc.stdout.close()
+        return None if code is None else f"the ballast had exited (status {code}) before it was stopped"
 
 
 if __name__ == "__main__":

@@ -277,11 +277,12 @@ class Run:
                 self.set_status(stage="sample")
                 self.sample(rnd)
         finally:
-            self.ballast.stop()
+            died = self.ballast.stop()
         retractions = {label: summary.log_retractions(read_from(s.log, offsets[label]))
                        for label, s in self.members(variant).items()}
         self.record({"type": "slot", **where, "status": "done", "seconds": round(time.time() - began, 1),
-                     "log_retractions": retractions, "flush_failed": flush_failed, "ballast": held})
+                     "log_retractions": retractions, "flush_failed": flush_failed, "ballast": held,
+                     **({"ballast_exited": died} if died else {})})
         self.save()
 
     def stop_all(self, *_) -> None:

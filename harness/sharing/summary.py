@@ -285,6 +285,8 @@ def problems(report: dict) -> list[str]:
     for e in report["slots"]:
         if e.get("status") != "done":
             out.append(f"round {e['round'] + 1} {e['variant']}: {e.get('why') or e.get('status')}")
+        elif e.get("ballast_exited"):
+            out.append(f"round {e['round'] + 1} {e['variant']}: {e['ballast_exited']}: its KV budget was not held")
         elif e.get("flush_failed"):
             out.append(f"round {e['round'] + 1} {e['variant']}: caches not flushed before it: "
                        + ", ".join(e["flush_failed"]))

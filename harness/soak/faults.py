@@ -139,9 +139,10 @@ class Faults:
         before = {i.server: kvc.read_instance(shm, i) for i in budget.shared}
         t_kill = fleet.journal.now()
         server.kill9()
-        inst.live = False
-        removed = kvc.remove_segments(shm, inst.name)
-        inst.wants.clear()
+        with budget.lock:               # the sampler reads these as it writes the limits
+            inst.live = False
+            removed = kvc.remove_segments(shm, inst.name)
+            inst.wants.clear()
         fleet.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
         # the others' limits rise at once (the arbiter's next tick) or stay; watch their use grow
         peak = {i.server: 0 for i in survivors}

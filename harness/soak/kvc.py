@@ -304,8 +304,8 @@ class Budget:
         while not self.fleet.stopping.wait(every):
             try:
                 self.sample()
-            except OSError as exc:
-                self.fleet.journal.write({"type": "note", "what": f"sampling failed: {exc}"})
+            except Exception as exc:      # noqa: BLE001 -- a sampler that dies leaves the limits unwritten
+                self.fleet.journal.write({"type": "note", "what": f"sampling failed: {type(exc).__name__}: {exc}"})
 
     def limits_mib(self) -> str:
         """The progress line's: the shared instances' limits (arbiter) or mapped bytes, MiB."""
@@ -375,11 +375,11 @@ def moves(samples: list[dict], budget: int, min_bytes: int, window: float = 10.0
     cap on cached tokens, SGLang's eviction, requests ending). Of a rise, the part above
     the instance's highest level of the `window` s before is taken, but only where the
     instances together then map at least `full` of the budget: pages were scarce, so it
-    could map them only because another gave them back (a server refilling what it held a
-    moment ago, or growing into free pages, is neither). Falls and taken parts are matched
-    as in `reclaims` (another instance, within `window` s, each taken part once, oldest
-    first); a fall matched with at least min_bytes is one reclaim, its bytes moved the
-    smaller of the fall and what was taken. Returns what `reclaims` returns."""
+    could map them only because another gave them back (a server refilling what it held a moment ago, or growing into free pages, is
+    neither). Falls and taken parts are matched as in `reclaims`, but a taken part only
+    with a fall seen in the same interval between two samples or before it;
+    a fall matched with at least min_bytes is one reclaim, its bytes moved the smaller of
+    the fall and what was taken. Returns what `reclaims` returns."""
     falls, rises = [], []            # [t, instance, bytes (left to match)]
     levels: dict[str, deque] = {}    # instance -> (t, mapped) of the last `window` s
     for before, after in zip(samples, samples[1:]):
@@ -396,14 +396,16 @@ def moves(samples: list[dict], budget: int, min_bytes: int, window: float = 10.0
                 falls.append([after["t"], n, was - now])
             elif taken > 0 and total >= full * budget:
                 rises.append([after["t"], n, taken])
-    return pair(falls, rises, min_bytes, window)
+    return pair(falls, rises, min_bytes, window, not_before=0.0)
 
 
-def pair(falls: list[list], rises: list[list], min_bytes: int, window: float) -> dict:
+def pair(falls: list[list], rises: list[list], min_bytes: int, window: float,
+         not_before: float | None = None) -> dict:
     """Each fall [t, giver, bytes] matched with other instances' rises [t, taker, bytes]
-    less than `window` s before or after it, each rise's bytes matched once, oldest first;
-    a fall matched with at least min_bytes is one reclaim. Returns the count, the bytes
-    moved and, per "giver->taker", the bytes."""
+    less than `window` s before or after it (not_before: no more than that many s before
+    it), each rise's bytes matched once, oldest first; a fall matched with at least
+    min_bytes is one reclaim. Returns the count, the bytes moved and, per "giver->taker",
+    the bytes."""
     count, moved, pairs = 0, 0, {}
     for t, giver, amount in falls:
         takes = []                   # (rise, bytes): kept only if the fall is a reclaim
@@ -411,7 +413,8 @@ def pair(falls: list[list], rises: list[list], min_bytes: int, window: float) ->
             left = amount - sum(n for _, n in takes)
             if not left:
                 break
-            if rise[1] != giver and rise[2] and abs(rise[0] - t) <= window:
+            if rise[1] != giver and rise[2] and abs(rise[0] - t) <= window and (
+                    not_before is None or rise[0] >= t - not_before):
                 takes.append((rise, min(left, rise[2])))
         matched = sum(n for _, n in takes)
         if matched < min_bytes:

@@ -300,7 +300,8 @@ class Soak:
             self.fleet.stopping.set()
             self.fleet.phase_stop.set()
             self.fleet.stop_all()
-            self.ballast.stop()
+            if died := self.ballast.stop():
+                self.journal.write({"type": "ballast", "event": "exited", "what": died})
             self.budget.clear()
         if os.environ.get("SGLK_REAL_LOG"):   # on sglang-kernel's real ops (harness/rig/real_kernels/setup.sh)
             self.journal.write({"type": "sgl_kernel_ops", **sgl_kernel_calls.summary(

@@ -195,6 +195,7 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
         "reclaimed_bytes": moved["bytes"],
         "reclaim_pairs": moved["pairs"],
         "faults": [e for e in events if e.get("type") == "fault"],
+        "ballast_exited": [e["what"] for e in events if e.get("type") == "ballast" and e.get("event") == "exited"],
         "latency": {role: latency(by_role[role]) for role in ("shared", "ref-native", "ref-kvcached")
                     if role in by_role},
         "oracle": verdict,
@@ -264,6 +265,8 @@ def problems(report: dict) -> list[str]:
     held = config.get("ballast") or {"error": "not started"}
     if config.get("budget_mode") == "fixed" and config.get("budget_bytes") and "error" in held:
         out.append(f"the ballast held nothing ({held['error']}): the GPU did not hold the servers to the budget")
+    elif report.get("ballast_exited"):
+        out.append(f"{report['ballast_exited'][0]}: the GPU did not hold the servers to the budget to the end")
     elif config.get("budget_bytes") and not report["reclaims"]:
         out.append("no reclaim seen in kvcached's counters: no instance took pages another gave back" +
                    (" while the budget was full" if config.get("budget_mode") == "fixed" else ""))

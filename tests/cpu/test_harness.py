@@ -277,8 +277,13 @@ def test_the_ballast_leaves_the_shared_servers_the_budget_less_what_their_counte
         in_use = sum(r[1] + r[2] for r in map(kvc.read_segment, shm.iterdir()) if r)
         assert total - in_use - headroom == budget - mapped
     finally:
-        holder.stop()
+        assert holder.stop() is None          # held to the end
     assert sorted(p.name for p in shm.iterdir()) == sorted(records)
+    # one that dies while it should hold (its memory free again) is said to have, when stopped
+    assert "error" not in holder.start(sys.executable, budget, mapped, 0.9, None, tmp_path / "ballast.log", 60)
+    holder.proc.kill()
+    holder.proc.wait()
+    assert "exited" in (holder.stop() or "")
 
 
 def moved(steps: list[dict], budget_mib: int) -> dict:
@@ -300,6 +305,9 @@ def test_a_reclaim_without_a_controller_is_a_page_one_server_gave_back_and_anoth
     # b gives 80 MiB to a, then maps again what it held a moment ago: one move, not two
     assert moved([{"a": 20, "b": 100}, {"a": 100, "b": 20}, {"a": 20, "b": 100}], 120) == \
         {"count": 1, "bytes": 80 * MIB, "pairs": {"b->a": 80 * MIB}}
+    # a grows into the budget's last free pages, then b shrinks: the rise came first, so not a move
+    assert moved([{"a": 50, "b": 64}, {"a": 56, "b": 64}, {"a": 56, "b": 64}, {"a": 56, "b": 58}], 120)["count"] == 0
+    assert moved([{"a": 50, "b": 70}, {"a": 70, "b": 70}, {"a": 70, "b": 50}], 120)["count"] == 0
 
 
 def test_a_dry_run_shows_the_three_models_on_fixed_limits_with_cuda_graphs_and_starts_nothing(tmp_path, capsys):

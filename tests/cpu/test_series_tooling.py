@@ -454,6 +454,18 @@ def test_a_series_edited_past_its_listing_is_refused_by_its_sums(tmp_path):
     assert fake.run("apply", tree).returncode == 0
 
 
+def test_import_patches_refuses_an_edited_series_before_it_touches_the_work_folder(fake, tmp_path):
+    """The sums are checked before the old work folder goes: refused, it is left as it was."""
+    work = tmp_path / "work"
+    assert fake.run("import-patches", "--work", work, "--pristine", fake.pristine.parents[1]).returncode == 0
+    head = git(work, "rev-parse", "HEAD")
+    first = fake.patches[0]
+    first.write_text(first.read_text() + "-- \nan edit\n")
+    proc = fake.run("import-patches", "--work", work, "--pristine", fake.pristine.parents[1], "--force")
+    assert proc.returncode == 1 and "series.sha256" in proc.stderr and first.name in proc.stderr, proc.stderr
+    assert git(work, "rev-parse", "HEAD") == head and git(work, "tag", "-l", "series-exported").strip()
+
+
 @pytest.mark.parametrize("damage", ["not json", "no patches", "a file's entry not a dict"])
 def test_an_unreadable_record_is_named_and_left_alone(fake, tmp_path, damage):
     """Not JSON, or JSON of another shape (edited by hand, another tool's): read before anything is

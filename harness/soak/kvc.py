@@ -183,7 +183,11 @@ class FixedLimits:
     """Each instance's limit, fixed when made: the budget less the other instances'
     floors, at most what its pool wants (the module docstring says why). `apply` writes
     it where a segment holds another limit (at first, and after a restart, where kvcached
-    wrote the pool's full size again), never another value; `writes` logs every write."""
+    wrote the pool's full size again), never another value; `writes` logs every write.
+    With the soak's three tiny models only the largest pool's limit is under what it
+    wants: the GPU (the ballast) does nearly all the holding. While a killed server is
+    down, the others may map up to their limits into what it freed (above the budget
+    until their cap gives pages back); kvcached's headroom keeps the restart's memory."""
 
     def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
         self.shm_dir, self.instances = shm_dir, instances

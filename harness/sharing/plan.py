@@ -294,9 +294,11 @@ PRESETS = {
     # two of one kind, the issue's first case: 32 KB of KV a token, a 4 GiB budget (131,072
     # tokens, a static share of 65,536 each) under a working set of about 98,000 tokens a model
     "two-mha": Plan(models=("llama3.2-1b", "llama3.2-1b")),
-    # the same under load that overloads a static share (results/2026-12-07-h100-sharing-two-mha
-    # left every variant under 100 ms at TTFT p99 on an H100; a 2 GiB budget and 48 requests/s
-    # a burst put (a) at 10-18 % within the objective and (b) at 100 %, ...-overload-probe)
+    # the same under load that overloads a static share: two-mha left every variant under
+    # 140 ms at TTFT p99 on an H100; a 2 GiB budget and 48 requests/s a burst put (a) at 10-18 %
+    # of requests within the objective and (b) at 100 % (one round of bursts only:
+    # results/2026-12-07-h100-sharing-two-mha-overload-probe.json; the waves' and even rates
+    # here are not probed)
     "two-mha-overload": Plan(models=("llama3.2-1b", "llama3.2-1b"), kv_budget_gib=2.0, burst_rate=48.0,
                              idle_rate=2.0, wave_rate=48.0, even_rate=12.0),
     # the three pool kinds the series serves, one of each; every variant's servers up at once

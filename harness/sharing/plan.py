@@ -124,12 +124,9 @@ def _compare_config(name: str) -> dict:
     return json.loads((matrix.CONFIGS / name / "config.json").read_text())
 
 
-_LLAMA32_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2}
+_LLAMA32_1B = {**bench_server.SHAPES["llama3-8b"].config, "hidden_size": 2048, "intermediate_size": 8192,
+               "num_hidden_layers": 16, "head_dim": 64, "max_position_embeddings": 131072,
+               "tie_word_embeddings": True}
 _MAMBA = (("KVCACHED_PAGE_SIZE_MB", "4"),)     # a Mamba cell (2 MiB SSM + 48 KiB conv a layer) is over 2 MiB
 
 MODELS = {m.name: m for m in (

@@ -23,13 +23,12 @@ prefix comes back from the device or, evicted, from host.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass
 
 from harness.sharing.plan import Plan
-from harness.soak.traffic import assemble, hits
+from harness.soak.traffic import assemble, hits, stream_event
 
 
 @dataclass(frozen=True)
@@ -126,17 +125,15 @@ async def generate(session, base: str, ids, max_new_tokens: int, timeout: float)
                 rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return rec
             async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+                kind, chunk = stream_event(raw)
+                if kind == "error":
+                    rec["error"] = chunk
+                    return rec
+                if kind == "done":
                     done = True
                     break
-                chunk = json.loads(data)
-                if "error" in chunk and "meta_info" not in chunk:
-                    rec["error"] = f"server error: {str(chunk['error'])[:300]}"
-                    return rec
+                if kind == "skip":
+                    continue
                 now = time.monotonic()
                 meta = chunk.get("meta_info") or {}
                 total = meta.get("completion_tokens", len(chunk.get("output_ids") or []))   # cumulative ids

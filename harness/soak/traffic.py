@@ -104,6 +104,22 @@ def hits(meta: dict) -> dict[str, int]:
     return {"cached": cached, "host": host, "device": int(details.get("device", cached - host - storage))}
 
 
+def stream_event(line: bytes) -> tuple[str, object]:
+    """One line of SGLang's streamed /generate: ("skip", None) for a line that is not data,
+    ("done", None) for [DONE], ("error", its text) for a chunk holding only an error, else
+    ("chunk", the chunk)."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return "skip", None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return "done", None
+    chunk = json.loads(data)
+    if "error" in chunk and "meta_info" not in chunk:
+        return "error", f"server error: {str(chunk['error'])[:300]}"
+    return "chunk", chunk
+
+
 def stream_generate(base: str, ids, max_new_tokens: int, timeout: float,
                     abort_after: float | None = None) -> dict:
     """POST /generate with stream on, greedy. Returns what the run records of it:
@@ -131,17 +147,15 @@ def stream_generate(base: str, ids, max_new_tokens: int, timeout: float,
             line = resp.readline()
             if not line:
                 break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+            kind, chunk = stream_event(line)
+            if kind == "error":
+                rec["error"] = chunk
+                return rec
+            if kind == "done":
                 done = True
                 break
-            chunk = json.loads(data)
-            if "error" in chunk and "meta_info" not in chunk:
-                rec["error"] = f"server error: {str(chunk['error'])[:300]}"
-                return rec
+            if kind == "skip":
+                continue
             if rec["ttft"] is None and chunk.get("output_ids"):
                 rec["ttft"] = time.monotonic() - start
             chunks.append(chunk)

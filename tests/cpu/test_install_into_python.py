@@ -51,6 +51,28 @@ def copy_pristine(dest: Path) -> Path:
     return dest
 
 
+def quick_python(path: Path, package: Path, fail_once_patched: str = "") -> Path:
+    """A stand-in interpreter at ``path`` that answers install-into-python's import check
+    from the files under ``package`` instead of importing SGLang (8 s a time), for runs
+    where that check is not what is tested (test_installed_folder runs it for real, as does
+    `make test`'s image part); or, given ``fail_once_patched``, fails it with that message
+    once the tree is patched. Everything else goes to the real interpreter."""
+    path.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import filecmp, os, re, sys
+        if sys.argv[1:2] == ["-c"] and "import_module" in sys.argv[2]:
+            pristine = {str(Path(PRISTINE).resolve() / "sglang" / REAL.files[0])!r}
+            if {fail_once_patched!r} and not filecmp.cmp({str(package / REAL.files[0])!r}, pristine, False):
+                sys.exit({fail_once_patched!r})
+            modules = re.findall(r"'sglang[.]([a-z0-9_.]+)'", sys.argv[2])
+            print(*[os.path.join({str(package)!r}, *m.split(".")) + ".py" for m in modules])
+            sys.exit(0)
+        os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+        """))
+    path.chmod(0o755)
+    return path
+
+
 def test_installed_folder(tmp_path):
     """Given as --python env/bin/python, relative to the caller's folder (the script runs the
     interpreter from another folder); then again by its absolute path."""
@@ -63,7 +85,8 @@ def test_installed_folder(tmp_path):
     assert f"sglang imports from {site / 'sglang'}" in proc.stdout
     assert "series applied" in proc.stdout and "ok:" in proc.stdout
     assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
-    again = install(site)  # idempotent: a rebuilt layer or a second run changes nothing
+    # Idempotent: a rebuilt layer or a second run changes nothing.
+    again = install(site, python=str(quick_python(tmp_path / "python", site / "sglang")))
     assert again.returncode == 0 and "already applied" in again.stdout
 
 
@@ -107,17 +130,7 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path, local_edi
         edited.unlink()
         edited.write_text("# a local edit\n" + text)
     reason = "SimulatedError: " + " ".join(f"word{i}" for i in range(120))  # far longer than any cut
-    python = tmp_path / "python"
-    python.write_text(textwrap.dedent(f"""\
-        #!/bin/sh
-        if ! cmp -s {site}/sglang/{REAL.files[0]} \\
-             {Path(PRISTINE).resolve()}/sglang/{REAL.files[0]} \\
-           && [ "$1" = -c ] && case "$2" in *"import_module"*) true;; *) false;; esac; then
-          echo "{reason}" >&2; exit 1
-        fi
-        exec {sys.executable} "$@"
-        """))
-    python.chmod(0o755)
+    python = quick_python(tmp_path / "python", site / "sglang", fail_once_patched=reason)
     before = listing(site)
     proc = install(site, *(["--force"] if local_edit else []), python=str(python))
     assert proc.returncode == 1 and reason in proc.stderr
@@ -145,6 +158,7 @@ def test_an_editable_checkout_is_patched_at_its_root_and_the_tier_leaves_no_temp
     subprocess.run([*git, "commit", "-qm", "v0.5.20"], cwd=checkout, check=True)
     temp, log = tmp_path / "temp", tmp_path / "pytest-args"
     temp.mkdir()
+    quick = quick_python(tmp_path / "quick-python", checkout / "python" / "sglang")
     fake = tmp_path / "python"
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/bash
@@ -153,7 +167,7 @@ def test_an_editable_checkout_is_patched_at_its_root_and_the_tier_leaves_no_temp
           while [ $# -gt 0 ]; do [ "$1" = --basetemp ] && mkdir -p "$2/test0" && echo x > "$2/test0/f"; shift; done
           exit 0
         fi
-        exec {sys.executable} "$@"
+        exec {quick} "$@"
         """))
     fake.chmod(0o755)
     env = dict(os.environ, PYTHONPATH=str(checkout / "python"), TMPDIR=str(temp))

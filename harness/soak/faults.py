@@ -143,8 +143,11 @@ class Faults:
             inst.live = False
             removed = kvc.remove_segments(shm, inst.name)
             inst.wants.clear()
+            held = {i.server: kvc.mapped_bytes(shm, [i.name]) for i in survivors} if budget.limits else {}
+            if held:                    # fixed: the others held at what they map until the restart is up
+                budget.limits.hold({i.name: held[i.server] for i in survivors})
         fleet.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
-        # the others' limits rise at once (the arbiter's next tick) or stay; watch their use grow
+        # the arbiter's limits rise at its next tick, fixed ones are held (above); watch the others' use
         peak = {i.server: 0 for i in survivors}
         peak_limit = {i.server: 0 for i in survivors}
         watch_until = time.time() + 2 * self.observe()
@@ -162,6 +165,9 @@ class Faults:
         began = time.time()
         ready = server.wait_up(fleet.journal, self.opts.restart_timeout)
         restart_s = round(time.time() - began, 1)
+        if budget.limits:
+            with budget.lock:
+                budget.limits.release()
         if ready:
             inst.live = True
         grew = budget.arbiter is None or any((g["limit_after"] or 0) > (g["limit_before"] or 0)
@@ -171,7 +177,7 @@ class Faults:
         if not grew:
             why.append("no survivor's kvcached limit rose after the kill")
         why += [f"{n}: {v['errors']} failed requests after the kill" for n, v in answers.items() if v["errors"]]
-        return {"detail": {"before": before, "segments_removed": removed},
+        return {"detail": {"before": before, "segments_removed": removed, "held_bytes": held},
                 "followed": {"survivors_counters": gained, "survivors_answers": answers,
                              "restart_s": restart_s, "ready_again": ready},
                 "ok": ok, "why": "; ".join(why)}

@@ -186,8 +186,7 @@ class FixedLimits:
     wrote the pool's full size again), never another value; `writes` logs every write.
     With the soak's three tiny models only the largest pool's limit is under what it
     wants: the GPU (the ballast) does nearly all the holding. While a killed server is
-    down, the others may map up to their limits into what it freed (above the budget
-    until their cap gives pages back); kvcached's headroom keeps the restart's memory."""
+    down, the others are held at what they map (`hold`): what it freed is its restart's."""
 
     def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
         self.shm_dir, self.instances = shm_dir, instances
@@ -195,11 +194,24 @@ class FixedLimits:
         self.limits = {i.name: max(0, min(i.want(), budget - sum(floors.values()) + floors[i.name]))
                        for i in instances}
         self.writes: list[tuple[str, int]] = []
+        self.held: dict[str, int] = {}
+
+    def hold(self, levels: dict[str, int]) -> None:
+        """Hold these instances at these bytes (what they map) instead of their limits
+        until `release`: while a killed server restarts, so that the others cannot map
+        what its process freed, which its CUDA context, weights and graphs take again
+        outside kvcached (whose headroom would then keep its pool from starting)."""
+        self.held = dict(levels)
+        self.apply()
+
+    def release(self) -> None:
+        self.held = {}
+        self.apply()
 
     def apply(self) -> dict[str, int]:
         for inst in self.instances:
             if inst.wants:    # known once the instance (or its restart) wrote its segments
-                self.writes += write_split(self.shm_dir, inst, self.limits[inst.name])
+                self.writes += write_split(self.shm_dir, inst, self.held.get(inst.name, self.limits[inst.name]))
         return self.limits
 
 
@@ -263,16 +275,20 @@ class Budget:
         if server.kvcached and server.ipc_name in self.instances:
             self.instances[server.ipc_name].live = False
 
-    def share(self, shared: list, fraction: float, floor_tokens: int) -> dict:
-        """Put the shared servers under one budget, `fraction` of what their pools want:
-        fixed limits written (mode fixed) or the arbiter made (mode arbiter); returns the
-        mode, the budget, the wants, the floors and the fixed limits (bytes)."""
+    def share(self, shared: list, fraction: float, floor_tokens: int, mapped: int = 0) -> dict:
+        """Put the shared servers under one budget: what they map now (`mapped`, bytes:
+        idle, kvcached keeps pages in reserve and its pages span every layer) and
+        `fraction` of what their pools want beyond that, so that the budget leaves room to
+        grow however much an idle server keeps. Fixed limits written (mode fixed) or the
+        arbiter made (mode arbiter); returns the mode, the budget, the wants, the floors
+        and the fixed limits (bytes)."""
         for s in shared:   # wants known from the first read of each instance's segments
             self.read(s)
         insts = self.shared = [self.instance(s) for s in shared]
-        budget = int(fraction * sum(i.want() for i in insts))
+        wants = sum(i.want() for i in insts)
+        budget = mapped + int(fraction * max(0, wants - mapped))
         out = {"budget_mode": self.mode, "budget_bytes": budget, "wants_bytes": {i.server: i.want() for i in insts},
-               "floors_bytes": {i.server: floor_bytes(i, floor_tokens) for i in insts}}
+               "floors_bytes": {i.server: floor_bytes(i, floor_tokens) for i in insts}, "mapped_at_start_bytes": mapped}
         if self.mode == "arbiter":
             self.arbiter = Arbiter(self.shm_dir, insts, budget, floor_tokens)
         else:

@@ -7,10 +7,11 @@
     python -m harness.soak --table R1.json R2.json ...                         (the results table rows)
 
 Servers (fleet.py): one shared server per --models entry (by default MHA, MLA and the Mamba
-hybrid), kvcached on, all on one GPU under one KV budget (kvc.py: --budget-fraction of what
-their pools want; by default each limit fixed once and a ballast holding the rest of the
-GPU, --budget-mode arbiter: floors of --floor-tokens and the spare following the burst
-window), and per model an unshared native server (the oracle) and an unshared kvcached one.
+hybrid), kvcached on, all on one GPU under one KV budget (kvc.py; by default what they map
+after a warm-up and --budget-fraction of what their pools want beyond it, each limit fixed
+once, a ballast holding the rest of the GPU, the others held while a killed server restarts;
+--budget-mode arbiter: --budget-fraction of what they want, floors of --floor-tokens and
+the spare following the burst window), and per model an unshared native server (the oracle) and an unshared kvcached one.
 Phases (run.py): start all; solo (each catalogue prompt answered alone by the native
 reference); reference load (--ref-duration per model, native and unshared kvcached side by
 side, then the unshared kvcached one stops); warmup (fixed mode: --warmup-s of every client
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from harness import project, servers
@@ -169,14 +171,14 @@ class Soak:
         self.end("solo")
 
     def reference_load(self) -> None:
-        n = len(self.cases)
-        for i, case in enumerate(dict.fromkeys(self.cases)):
+        for case in dict.fromkeys(self.cases):
             pair = [s for s in self.fleet.servers.values()
                     if s.case is case and s.role in ("ref-native", "ref-kvcached") and s.up.is_set()]
             if not pair or self.fleet.stopping.is_set():
                 continue
             self.begin(f"reference-{case.name}")
-            self.load.run_clients([(s, s.role, (i, n)) for s in pair], self.opts.ref_duration)
+            # bursts in every other window, from the phase's start: on, then quiet, as in the shared phase
+            self.load.run_clients([(s, s.role, (0, 2)) for s in pair], self.opts.ref_duration)
             self.budget.sample()
             self.end(f"reference-{case.name}")
         for s in self.fleet.servers.values():
@@ -201,8 +203,8 @@ class Soak:
         budget and no more."""
         o = self.opts
         self.fleet.stopping.wait(o.settle_s)
-        self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens))
         mapped = kvc.mapped_bytes(o.shm_dir, [s.ipc_name for s in shared])
+        self.config.update(self.budget.share(shared, o.budget_fraction, o.floor_tokens, mapped))
         return self.ballast.start(o.python, self.config["budget_bytes"], mapped, o.gpu_utilization, o.gpu,
                                   self.logs / "ballast.log", o.ready_timeout)
 
@@ -220,8 +222,8 @@ class Soak:
         budget, floors = self.config["budget_bytes"], self.config["floors_bytes"]
         if budget <= sum(floors.values()) or not sum(self.config["wants_bytes"].values()):
             self.journal.write({"type": "note", "what": f"budget {budget} B leaves no spare over the floors {floors}"})
-        keys = ("budget_mode", "budget_bytes", "wants_bytes", "floors_bytes", "limits_bytes", "ballast",
-                "reclaim_min_bytes")
+        keys = ("budget_mode", "budget_bytes", "wants_bytes", "floors_bytes", "mapped_at_start_bytes", "limits_bytes",
+                "ballast", "reclaim_min_bytes")
         self.journal.write({"type": "budget", **{k: self.config[k] for k in keys if k in self.config}})
         if "error" in self.config.get("ballast", {}):
             print(f"the ballast holds nothing: {self.config['ballast']['error']}", flush=True)
@@ -295,6 +297,9 @@ class Soak:
                 self.journal.write({"type": "note", "what": "a shared server did not start: nothing ran"})
         except Interrupted:
             self.journal.write({"type": "note", "what": "stopped by a signal"})
+        except Exception:   # the report and "done" still written: whoever polls the status stops waiting
+            self.journal.write({"type": "note", "what": "the harness failed: " + traceback.format_exc(limit=8)})
+            traceback.print_exc()
         finally:
             self.phase = "stopping"
             self.fleet.stopping.set()
@@ -343,7 +348,8 @@ def options(argv=None):
                     help="fixed: each limit set once, the GPU held to the budget by a ballast (no controller); "
                          "arbiter: the spare follows the burst window (kvc.py)")
     ap.add_argument("--budget-fraction", type=float, default=0.5,
-                    help="kvcached budget of the shared servers: this fraction of what their pools want")
+                    help="kvcached budget of the shared servers: this fraction of what their pools want (fixed: "
+                         "beyond what they map after the warm-up)")
     ap.add_argument("--floor-tokens", type=int,
                     help="fixed: a server's limit is the budget less the others' floors; arbiter: no limit goes "
                          "below it (default: --max-cached-tokens fixed, 6144 arbiter)")
@@ -435,7 +441,9 @@ def dry_run(opts) -> int:
     members, small_host = fleets.build(opts, [matrix.CASES[m] for m in opts.models], logs)
     fixed = opts.budget_mode == "fixed"
     plan = {"budget_mode": opts.budget_mode,
-            "budget": f"{opts.budget_fraction:g} of what the shared servers' pools want (kvcached's counters)",
+            "budget": (f"what the shared servers map after the warm-up, and {opts.budget_fraction:g} of what their "
+                       "pools want beyond it (kvcached's counters)" if fixed else
+                       f"{opts.budget_fraction:g} of what the shared servers' pools want (kvcached's counters)"),
             "limits": "each set once: the budget less the other shared servers' floors (--floor-tokens "
                       f"{opts.floor_tokens} of their tokens), at most what its pool wants" if fixed else
                       f"floors of {opts.floor_tokens} tokens, the spare to the server of the burst window",

@@ -177,10 +177,25 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
         began = next(e["t"] for e in events if e["type"] == "budget")
         warm = [e for e in events if e["type"] == "request" and e["role"] == "warmup"]   # the allocators grown first
         assert warm and all(e.get("match") for e in warm) and max(e["t"] for e in warm) < began
-        seen = [(n, c["limit"]) for e in events if e["type"] == "sample" and e["t"] >= began
+        # The limits stay as set, but while the killed server restarts: the others held at what they mapped.
+        kill = next(e for e in events if e["type"] == "server" and e["event"] == "killed")
+        back = next(e["t"] for e in events if e["type"] == "server" and e["event"] == "ready"
+                    and e["server"] == kill["server"] and e["t"] > kill["t"])
+        held = next(f for f in report["faults"] if f["kind"] == "kill-9")["detail"]["held_bytes"]
+        assert set(held) == set(config["limits_bytes"]) - {kill["server"]}
+        seen = [(e["t"], n, c["limit"]) for e in events if e["type"] == "sample" and e["t"] >= began
                 for n, c in e["instances"].items() if c["role"] == "shared" and c["live"]]
-        assert {n for n, _ in seen} == set(config["limits_bytes"]) and all(
-            limit == config["limits_bytes"][n] for n, limit in seen)
+        assert {n for _, n, _ in seen} == set(config["limits_bytes"])
+        assert all(limit == config["limits_bytes"][n] or (n in held and limit == held[n] and kill["t"] - 1 < t < back + 1)
+                   for t, n, limit in seen)
+        assert any(n in held and limit == held[n] != config["limits_bytes"][n] for _, n, limit in seen)
+        wants, mapped = sum(config["wants_bytes"].values()), config["mapped_at_start_bytes"]
+        assert mapped == config["ballast"]["mapped"] and config["budget_bytes"] == mapped + int(0.15 * (wants - mapped))
+        over = {**report, "budget": {**report["budget"], "over_budget_share": 0.25}}
+        assert soak.verdict.problems(over) == ["the servers mapped more than the budget in 25% of the samples: the "
+                                               "GPU did not hold them to it, and a reclaim then proves nothing"]
+        last = [e for e in events if e["type"] == "sample"][-1]["instances"]   # after the rejoin: released
+        assert {n: c["limit"] for n, c in last.items() if c["role"] == "shared"} == config["limits_bytes"]
         at_start = next(e for e in events if e["type"] == "sample" and e["t"] >= began)["instances"]
         assert config["ballast"]["mapped"] == sum(kvc.mapped(c) for c in at_start.values() if c["role"] == "shared") > 0
         assert config["ballast"]["left_for_kv"] == config["budget_bytes"] - config["ballast"]["mapped"]
@@ -199,6 +214,21 @@ def test_the_soak_fails_when_the_gpu_cannot_hold_the_budget(soak_args, monkeypat
     report = json.loads(out.read_text())
     assert report["result"] == "fail" and "error" in report["config"]["ballast"] and not report["requests"]
     assert any("ballast" in p for p in report["problems"])
+
+
+def test_a_failing_harness_still_writes_its_report_and_says_done(soak_args, monkeypatch):
+    """Whoever polls the status (a device call) stops waiting: done, with the failure journaled."""
+    out, args = soak_args
+
+    def planted(self):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(soak.Soak, "start_servers", planted)
+    assert soak.main(args) == 1
+    status = json.loads(out.with_name("run.status.json").read_text())
+    assert status["done"] and status["result"] == "fail"
+    notes = [e["what"] for e in soak.verdict.read_journal(out.with_name("run.events.jsonl")) if e["type"] == "note"]
+    assert any(n.startswith("the harness failed: ") and "RuntimeError: planted" in n for n in notes)
 
 
 def test_the_soak_fails_a_server_that_answers_wrongly_from_host(soak_args, monkeypatch):

@@ -9,9 +9,10 @@
   kill-9            SIGKILL to the whole server, its shared-memory segments removed (kvctl
                     delete does the same); the survivors' requests must not fail (with
                     the arbiter, their kvcached limits must rise: it gives them the killed
-                    one's share; with fixed limits the killed one's pages go back to the
-                    GPU for them); the server is restarted and must be ready again (its
-                    fixed limit written again, the same bytes).
+                    one's share; with fixed limits they are held at what they map until
+                    the restart is up, so that what it freed is its restart's); the server
+                    is restarted and must be ready again (its fixed limit written again,
+                    the same bytes).
 Each runs in its own thread at its time in the shared phase (`plan_faults`) and journals
 one "fault" event: when, on which server, `ok` and why not, and what followed.
 """
@@ -143,31 +144,32 @@ class Faults:
             inst.live = False
             removed = kvc.remove_segments(shm, inst.name)
             inst.wants.clear()
-            held = {i.server: kvc.mapped_bytes(shm, [i.name]) for i in survivors} if budget.limits else {}
-            if held:                    # fixed: the others held at what they map until the restart is up
-                budget.limits.hold({i.name: held[i.server] for i in survivors})
-        fleet.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
-        # the arbiter's limits rise at its next tick, fixed ones are held (above); watch the others' use
-        peak = {i.server: 0 for i in survivors}
-        peak_limit = {i.server: 0 for i in survivors}
-        watch_until = time.time() + 2 * self.observe()
-        while time.time() < watch_until and not fleet.stopping.is_set():
-            for i in survivors:
-                c = kvc.read_instance(shm, i) or {}
-                peak[i.server] = max(peak[i.server], c.get("used", 0))
-                peak_limit[i.server] = max(peak_limit[i.server], c.get("limit", 0))
-            time.sleep(0.25)
-        answers = {i.server: self.answers_since(i.server, t_kill) for i in survivors}
-        gained = {n: {"limit_before": (before.get(n) or {}).get("limit"), "limit_after": peak_limit[n],
-                      "used_before": (before.get(n) or {}).get("used"), "used_peak_after": peak[n]}
-                  for n in peak}
-        server.launch(fleet.journal)
-        began = time.time()
-        ready = server.wait_up(fleet.journal, self.opts.restart_timeout)
-        restart_s = round(time.time() - began, 1)
-        if budget.limits:
-            with budget.lock:
-                budget.limits.release()
+            # fixed: the others held at what they map until the restart is up (released below, whatever happens)
+            held = budget.limits.hold(survivors) if budget.limits else {}
+        try:
+            fleet.journal.write({"type": "server", "event": "killed", "server": server.label, "segments_removed": removed})
+            # the arbiter's limits rise at its next tick, fixed ones are held (above); watch the others' use
+            peak = {i.server: 0 for i in survivors}
+            peak_limit = {i.server: 0 for i in survivors}
+            watch_until = time.time() + 2 * self.observe()
+            while time.time() < watch_until and not fleet.stopping.is_set():
+                for i in survivors:
+                    c = kvc.read_instance(shm, i) or {}
+                    peak[i.server] = max(peak[i.server], c.get("used", 0))
+                    peak_limit[i.server] = max(peak_limit[i.server], c.get("limit", 0))
+                time.sleep(0.25)
+            answers = {i.server: self.answers_since(i.server, t_kill) for i in survivors}
+            gained = {n: {"limit_before": (before.get(n) or {}).get("limit"), "limit_after": peak_limit[n],
+                          "used_before": (before.get(n) or {}).get("used"), "used_peak_after": peak[n]}
+                      for n in peak}
+            server.launch(fleet.journal)
+            began = time.time()
+            ready = server.wait_up(fleet.journal, self.opts.restart_timeout)
+            restart_s = round(time.time() - began, 1)
+        finally:
+            if budget.limits:
+                with budget.lock:
+                    budget.limits.release()
         if ready:
             inst.live = True
         grew = budget.arbiter is None or any((g["limit_after"] or 0) > (g["limit_before"] or 0)

@@ -18,13 +18,14 @@ above a server's floor, a lowered limit never takes effect (the first GPU run). 
 mapped only while the GPU's free memory stays above kvcached's headroom, the total times
 (1 - KVCACHED_GPU_UTILIZATION) (harness/sharing/ballast.py).
 
-The shared servers together get a budget B, --budget-fraction of what their pools want.
-`Budget` holds them to it in one of two modes (--budget-mode):
+The shared servers together get a budget B (fixed: what they map after the warm-up and
+--budget-fraction of what their pools want beyond it; arbiter: --budget-fraction of what
+they want). `Budget` holds them to it in one of two modes (--budget-mode):
 
   fixed (the default): no controller. Each instance's limit is set once, when the shared
-    phase begins, as an operator would set it (`kvctl limit`), and never changed
-    (`FixedLimits`; a restarted instance writes its full size again and gets the same
-    limit back). Each may grow to B less the other instances' floors (--floor-tokens of
+    phase begins, as an operator would set it (`kvctl limit`), and changed only while a
+    killed server restarts, when the others are held at what they map (`FixedLimits`; a
+    restarted instance writes its full size again and gets the same limit back). Each may grow to B less the other instances' floors (--floor-tokens of
     their tokens; by default --max-cached-tokens, what kvcached keeps of an idle server's
     finished requests), at most to what its pool wants: any one server may take every page
     but those the others keep when idle. Why not less: a limit that binds first leaves the
@@ -36,10 +37,10 @@ The shared servers together get a budget B, --budget-fraction of what their pool
     with the servers warmed up and idle (run.py). An idle server gives pages back only
     through kvcached's cap and SGLang's eviction, and a pool keeps up to
     KVCACHED_MAX_RESERVED_PAGES (10) freed pages mapped in reserve: only the pages beyond
-    go back to the GPU, for another server to map (`moves`). The default budget, half of
-    what the pools want, is meant to lie above what the servers hold idle (cached tokens
-    and reserves) and below that plus a burst: a first guess for the tiny models, which
-    the counters of a GPU run confirm or correct (--budget-fraction).
+    go back to the GPU, for another server to map (`moves`). The budget starts from
+    what the servers hold idle (cached tokens and reserves: an idle server's pages span
+    every layer, and kvcached keeps ten of them in reserve) and adds half of the rest of
+    what the pools want (--budget-fraction), room for a burst.
   arbiter: a controller that knows the load (`Arbiter`, the first GPU runs). Every
     instance keeps a floor (--floor-tokens, 6144 by default); the rest of the budget (the
     spare) goes to one live instance at a time, in turn (the one whose clients are in
@@ -169,13 +170,16 @@ def floor_bytes(inst: Instance, floor_tokens: int) -> int:
 def write_split(shm_dir: str, inst: Instance, limit: int) -> list[tuple[str, int]]:
     """An instance's limit, split over its segments in proportion to what they want,
     written where a segment holds another; the (segment, bytes) written."""
+    return write_segments(shm_dir, {seg: limit * want // inst.want() for seg, want in inst.wants.items()})
+
+
+def write_segments(shm_dir: str, limits: dict[str, int]) -> list[tuple[str, int]]:
+    """Each segment's limit written where it holds another; the (segment, bytes) written."""
     written = []
-    total_want = inst.want()
-    for seg, want in inst.wants.items():
-        share = limit * want // total_want
+    for seg, limit in limits.items():
         rec = read_segment(os.path.join(shm_dir, seg))
-        if rec is not None and rec[0] != share and write_limit(os.path.join(shm_dir, seg), share):
-            written.append((seg, share))
+        if rec is not None and rec[0] != limit and write_limit(os.path.join(shm_dir, seg), limit):
+            written.append((seg, limit))
     return written
 
 
@@ -183,7 +187,7 @@ class FixedLimits:
     """Each instance's limit, fixed when made: the budget less the other instances'
     floors, at most what its pool wants (the module docstring says why). `apply` writes
     it where a segment holds another limit (at first, and after a restart, where kvcached
-    wrote the pool's full size again), never another value; `writes` logs every write.
+    wrote the pool's full size again), or a `hold`'s; `writes` logs every write.
     With the soak's three tiny models only the largest pool's limit is under what it
     wants: the GPU (the ballast) does nearly all the holding. While a killed server is
     down, the others are held at what they map (`hold`): what it freed is its restart's."""
@@ -194,15 +198,22 @@ class FixedLimits:
         self.limits = {i.name: max(0, min(i.want(), budget - sum(floors.values()) + floors[i.name]))
                        for i in instances}
         self.writes: list[tuple[str, int]] = []
-        self.held: dict[str, int] = {}
+        self.held: dict[str, int] = {}          # segment -> bytes, while `hold` lasts
 
-    def hold(self, levels: dict[str, int]) -> None:
-        """Hold these instances at these bytes (what they map) instead of their limits
-        until `release`: while a killed server restarts, so that the others cannot map
-        what its process freed, which its CUDA context, weights and graphs take again
-        outside kvcached (whose headroom would then keep its pool from starting)."""
-        self.held = dict(levels)
+    def hold(self, instances: list[Instance]) -> dict[str, int]:
+        """Hold each segment of these instances at what it maps now (pages in use and in
+        reserve; never above its share of the fixed limit) until `release`: while a killed
+        server restarts, so that the others cannot map what its process freed, which its
+        CUDA context, weights and graphs take again outside kvcached (whose headroom would
+        then keep its pool from starting). Returns the bytes held per server."""
+        self.held = {}
+        for inst in instances:
+            for seg, want in inst.wants.items():
+                rec = read_segment(os.path.join(self.shm_dir, seg))
+                if rec is not None:
+                    self.held[seg] = min(rec[1] + rec[2], self.limits[inst.name] * want // inst.want())
         self.apply()
+        return {i.server: sum(self.held.get(seg, 0) for seg in i.wants) for i in instances}
 
     def release(self) -> None:
         self.held = {}
@@ -210,8 +221,12 @@ class FixedLimits:
 
     def apply(self) -> dict[str, int]:
         for inst in self.instances:
-            if inst.wants:    # known once the instance (or its restart) wrote its segments
-                self.writes += write_split(self.shm_dir, inst, self.held.get(inst.name, self.limits[inst.name]))
+            if not inst.wants:  # known once the instance (or its restart) wrote its segments
+                continue
+            if held := {seg: self.held[seg] for seg in inst.wants if seg in self.held}:
+                self.writes += write_segments(self.shm_dir, held)
+            else:
+                self.writes += write_split(self.shm_dir, inst, self.limits[inst.name])
         return self.limits
 
 

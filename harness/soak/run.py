@@ -177,7 +177,7 @@ class Soak:
             if not pair or self.fleet.stopping.is_set():
                 continue
             self.begin(f"reference-{case.name}")
-            # bursts in every other window, from the phase's start: on, then quiet, as in the shared phase
+            # bursts in every other window from the phase's start (on, then quiet): each model's own bursts
             self.load.run_clients([(s, s.role, (0, 2)) for s in pair], self.opts.ref_duration)
             self.budget.sample()
             self.end(f"reference-{case.name}")

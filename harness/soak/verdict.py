@@ -202,6 +202,8 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
         "counters": counter_summary(samples),
         "budget": budget_use(budget_samples, budget),
         "finished": any(e.get("type") == "finish" for e in events),
+        "harness_failures": [e["what"] for e in events if e.get("type") == "note"
+                             and str(e.get("what", "")).startswith("the harness failed: ")],
     }
     ops = [e for e in events if e.get("type") == "sgl_kernel_ops"]
     if ops:
@@ -239,8 +241,8 @@ def budget_use(samples: list[dict], budget: int) -> dict:
 
 
 # Fixed mode: the share of samples in which the shared servers may map more than the budget
-# together (a killed server's memory until its restart takes it again; kvcached lowering a
-# limit only once its pages in use fit) before the run fails.
+# together (memory torch's cache gave back after a flush, until the server needs it again)
+# before the run fails.
 OVER_BUDGET = 0.2
 
 
@@ -251,6 +253,7 @@ def problems(report: dict) -> list[str]:
         kinds = report["oracle"].get("kinds") or {}
         out.append(f"{report['mismatches']} answers differ from the solo reference "
                    f"({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()) if k != 'noise')})")
+    out += report.get("harness_failures") or []
     if report["crashes"]:
         out.append(f"{report['crashes']} server(s) died without being killed")
     if not report["requests"]:

@@ -227,8 +227,8 @@ def test_a_failing_harness_still_writes_its_report_and_says_done(soak_args, monk
     assert soak.main(args) == 1
     status = json.loads(out.with_name("run.status.json").read_text())
     assert status["done"] and status["result"] == "fail"
-    notes = [e["what"] for e in soak.verdict.read_journal(out.with_name("run.events.jsonl")) if e["type"] == "note"]
-    assert any(n.startswith("the harness failed: ") and "RuntimeError: planted" in n for n in notes)
+    problems = json.loads(out.read_text())["problems"]
+    assert any(p.startswith("the harness failed: ") and "RuntimeError: planted" in p for p in problems)
 
 
 def test_the_soak_fails_a_server_that_answers_wrongly_from_host(soak_args, monkeypatch):
@@ -246,7 +246,8 @@ MIB = 1 << 20
 def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     """The fixed mode's limits: the budget less the others' floors, at most what a pool
     wants, split over an instance's segments; written when the shared phase begins, never
-    changed under load, written again (the same bytes) where a restart wrote its full size."""
+    changed under load, written again (the same bytes) where a restart wrote its full size;
+    while a killed server restarts, each other segment held at what it maps."""
     shm = tmp_path / "shm"
     shm.mkdir()
     wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1": 24 * MIB}   # t_s2: KV and Mamba
@@ -283,6 +284,17 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     samples = [e for e in soak.verdict.read_journal(tmp_path / "journal.jsonl") if e["type"] == "sample"]
     assert len(samples) == 13 and all(c["limit"] == got["limits_bytes"][n] for e in samples
                                       for n, c in e["instances"].items())
+    # s1 killed: s0 and s2 held, each segment at what it maps (never above its share), then released
+    write("t_s0", used=30 * MIB, prealloc=MIB)
+    write("t_s2", used=MIB, prealloc=2 * MIB)
+    write("t_s2_g1", used=5 * MIB, prealloc=MIB)
+    survivors = [budget.instance(members["s0"]), budget.instance(members["s2"])]
+    assert budget.limits.hold(survivors) == {"s0": 22 * MIB, "s2": 9 * MIB}
+    budget.sample()
+    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == {**fixed, "t_s0": 22 * MIB, "t_s2": 3 * MIB,
+                                                                        "t_s2_g1": 6 * MIB}
+    budget.limits.release()
+    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
 
 
 def test_the_ballast_leaves_the_shared_servers_the_budget_less_what_their_counters_say_they_map(tmp_path, monkeypatch):

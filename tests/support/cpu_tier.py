@@ -16,7 +16,8 @@ where and as the image's build runs it:
    Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH, at
    the same time as part 1 (much of it waits on stand-in servers and subprocesses; two
    cores overlap the parts), its output held back and shown after part 1's.
-Both run with OMP_NUM_THREADS=1 unless it is set (torch's threads would fight for the cores).
+Both run with OMP_NUM_THREADS=1 unless it is set (torch's threads would fight for the cores);
+the image's build, one part alone, leaves it unset.
 
 So a test that reads a file the image lacks (README.md, docs/, the Makefile, git
 history) without being marked `project_files`, or that relies on PYTHONPATH choosing

@@ -210,7 +210,8 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
 def test_the_soak_fails_when_the_gpu_cannot_hold_the_budget(soak_args, monkeypatch):
     out, args = soak_args
     monkeypatch.setenv("SOAK_FAKE_GPU", str(20 << 20))      # less free than the budget: the ballast holds nothing
-    assert soak.main([*args, "--no-reference", "--duration", "2"]) == 1
+    # (a request the full GPU leaves waiting gives up after 2 s)
+    assert soak.main([*args, "--no-reference", "--duration", "2", "--request-timeout", "2"]) == 1
     report = json.loads(out.read_text())
     assert report["result"] == "fail" and "error" in report["config"]["ballast"] and not report["requests"]
     assert any("ballast" in p for p in report["problems"])

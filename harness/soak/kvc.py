@@ -194,7 +194,7 @@ class FixedLimits:
 
     def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
         self.shm_dir, self.instances = shm_dir, instances
-        floors = {i.name: floor_bytes(i, floor_tokens) for i in instances}
+        self.floors = floors = {i.name: floor_bytes(i, floor_tokens) for i in instances}
         self.limits = {i.name: max(0, min(i.want(), budget - sum(floors.values()) + floors[i.name]))
                        for i in instances}
         self.writes: list[tuple[str, int]] = []
@@ -202,16 +202,18 @@ class FixedLimits:
 
     def hold(self, instances: list[Instance]) -> dict[str, int]:
         """Hold each segment of these instances at what it maps now (pages in use and in
-        reserve; never above its share of the fixed limit) until `release`: while a killed
-        server restarts, so that the others cannot map what its process freed, which its
-        CUDA context, weights and graphs take again outside kvcached (whose headroom would
-        then keep its pool from starting). Returns the bytes held per server."""
+        reserve; at least its share of the floor, at most its share of the fixed limit)
+        until `release`: while a killed server restarts, so that the others cannot map what
+        its process freed, which its CUDA context, weights and graphs take again outside
+        kvcached (whose headroom would then keep its pool from starting). Returns the bytes
+        held per server."""
         self.held = {}
         for inst in instances:
             for seg, want in inst.wants.items():
                 rec = read_segment(os.path.join(self.shm_dir, seg))
                 if rec is not None:
-                    self.held[seg] = min(rec[1] + rec[2], self.limits[inst.name] * want // inst.want())
+                    floor, limit = (x * want // inst.want() for x in (self.floors[inst.name], self.limits[inst.name]))
+                    self.held[seg] = min(limit, max(floor, rec[1] + rec[2]))
         self.apply()
         return {i.server: sum(self.held.get(seg, 0) for seg in i.wants) for i in instances}
 

@@ -22,6 +22,7 @@ SECTIONS = (
     ("compare", "Server comparison: native vs kvcached, every pool kind (`make e2e`)"),
     ("bench-server", "Server benchmark: SGLang's bench_serving, kvcached vs native (`make bench-server`)"),
     ("sharing", "Several models sharing one GPU: static splits vs kvcached, HiCache off and on (`make bench-sharing`)"),
+    ("soak", "Models sharing one GPU under faults, answers checked (`make soak`)"),
     ("transfer", "HiCache transfers (`make bench`)"),
     ("differential", "Differential gate on a GPU: pristine vs patched, SGLang's dense pools"),
     ("gpu-tier", "GPU tier (`make test-gpu`)"),
@@ -84,6 +85,16 @@ def sharing(data: dict) -> str:
                        for r in data["reports"])
 
 
+def soak(data: dict) -> str:
+    from harness.soak import verdict
+    out = [verdict.table({r["label"]: r for r in data["reports"]})]
+    for r in data["reports"]:
+        label = f"{r['label']}: " if len(data["reports"]) > 1 else ""
+        out += [f"\n{label}" + ("Problems:\n\n" + "\n".join(f"- {p}" for p in r["problems"])
+                                if r["problems"] else "No problem found.")]
+    return "\n".join(out).strip()
+
+
 def transfer(data: dict) -> str:
     from harness import transfer_bench
     return transfer_bench.table(transfer_bench.summary_rows(data))
@@ -135,7 +146,8 @@ def checkpoint(data: dict) -> str:
 
 
 RENDER = {"compare": compare, "bench-server": bench_server, "transfer": transfer, "differential": differential,
-          "gpu-tier": gpu_tier, "mutants": mutants, "checkpoint": checkpoint, "sharing": sharing}
+          "gpu-tier": gpu_tier, "mutants": mutants, "checkpoint": checkpoint, "sharing": sharing,
+          "soak": soak}
 
 
 def history(entries: list[dict]) -> list[str]:

@@ -10,7 +10,8 @@ Every summary holds, besides its tool's data:
   tool          one of TOOLS: compare (make e2e), bench-server, transfer (make bench),
                 differential (the pristine-vs-patched gate on a GPU), gpu-tier (tests/gpu),
                 mutants (make mutants), checkpoint (the converted checkpoint on the CPU),
-                sharing (make bench-sharing: several models on one GPU, four variants)
+                sharing (make bench-sharing: several models on one GPU, four variants),
+                soak (make soak: models sharing one GPU under faults, answers checked)
   title         one line: what ran
   machine       {"gpu", "gpus" (count), "driver", "cuda"}; "cpu" for a CPU-only run
   versions      {"sglang", "kvcached", "sglang_kernel", "torch", ...} as the run recorded them
@@ -48,7 +49,8 @@ from harness.project import ROOT
 SCHEMA = 1
 RESULTS = ROOT / "results"
 HISTORY = RESULTS / "history.json"
-TOOLS = ("compare", "bench-server", "transfer", "differential", "gpu-tier", "mutants", "checkpoint", "sharing")
+TOOLS = ("compare", "bench-server", "transfer", "differential", "gpu-tier", "mutants", "checkpoint", "sharing",
+         "soak")
 FIELDS = {"schema": int, "name": str, "date": str, "tool": str, "title": str, "machine": dict, "versions": dict,
           "series": dict, "server_flags": (str, type(None)), "cuda_graphs": (bool, type(None)), "compiled_ops": str,
           "command": (str, type(None)), "raw": dict, "notes": str, "data": dict}
@@ -168,6 +170,35 @@ def sharing_data(paths: list[Path]) -> dict:
     return {"reports": [{"label": Path(p).name.split(".")[0], **summary.summary(summary.load(p))} for p in paths]}
 
 
+SOAK_KEYS = ("result", "problems", "duration_s", "requests", "aborted_on_purpose", "errors", "errors_other_roles",
+             "lost_to_faults", "host_hit_tokens", "mismatches", "crashes", "reclaims", "reclaimed_bytes",
+             "reclaim_pairs", "faults", "ballast_exited", "latency", "budget", "harness_failures", "sgl_kernel_ops")
+
+
+def soak_report(path: Path) -> dict:
+    """A soak's report (harness.soak's --out), or its journal (<out>.events.jsonl[.gz]): the
+    report made again."""
+    r = raw_json(path)
+    if isinstance(r, list):
+        from harness.soak import verdict
+        r = verdict.summarize(r)
+    return r
+
+
+def soak_data(paths: list[Path]) -> dict:
+    """Each soak's report, without what only a rerun needs: the servers' command lines, the
+    oracle's per-answer details, the raw counters."""
+    reports = []
+    for path in paths:
+        r = soak_report(path)
+        oracle = {k: v for k, v in r["oracle"].items() if k != "details"}
+        servers = [{k: v for k, v in s.items() if k not in ("command", "log")} for s in r["servers"]]
+        config = {k: v for k, v in r["config"].items() if k != "argv"}
+        reports.append({"label": Path(path).name.split(".")[0], **{k: r.get(k) for k in SOAK_KEYS},
+                        "oracle": oracle, "servers": servers, "config": config})
+    return {"reports": reports}
+
+
 def transfer_data(paths: list[Path]) -> dict:
     """Saved transfer runs pooled (transfer_bench --table's rows), with the first run's setup."""
     from harness import transfer_bench
@@ -260,11 +291,16 @@ def make(tool: str, name: str, raw_paths: list[Path], title: str, notes: str = "
     """A summary of a run's raw output; `fields` override what the report records."""
     data = {"compare": compare_data, "bench-server": bench_server_data, "transfer": transfer_data,
             "differential": differential_data, "gpu-tier": gpu_tier_data, "mutants": mutants_data,
-            "sharing": sharing_data}[tool](raw_paths)
+            "sharing": sharing_data, "soak": soak_data}[tool](raw_paths)
     first = raw_json(raw_paths[0]) if tool in ("compare", "bench-server") else {}
     if tool == "sharing":
         from harness.sharing import summary
         first = summary.load(raw_paths[0])
+    if tool == "soak":
+        report = soak_report(raw_paths[0])
+        config = report.get("config") or {}
+        first = {**report, "argv": config.get("argv"), "patches": config.get("patches"),
+                 "config": {"server_flags": " ".join(config.get("server_flags") or []) or None}}
     first = first if isinstance(first, dict) else {}
     doc = {"schema": SCHEMA, "name": name, "date": name[:10], "tool": tool, "title": title,
            **environment_fields(first), "series": series_of(first.get("patches")),

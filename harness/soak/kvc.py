@@ -39,8 +39,9 @@ they want). `Budget` holds them to it in one of two modes (--budget-mode):
     KVCACHED_MAX_RESERVED_PAGES (10) freed pages mapped in reserve: only the pages beyond
     go back to the GPU, for another server to map (`moves`). The budget starts from
     what the servers hold idle (cached tokens and reserves: an idle server's pages span
-    every layer, and kvcached keeps ten of them in reserve) and adds half of the rest of
-    what the pools want (--budget-fraction), room for a burst.
+    every layer, and kvcached keeps ten of them in reserve) and adds a fifth of the rest of
+    what the pools want (--budget-fraction), room for a burst but not for every burst at
+    once (at half, the three default models never filled it on an H100: no page moved).
   arbiter: a controller that knows the load (`Arbiter`, the first GPU runs). Every
     instance keeps a floor (--floor-tokens, 6144 by default); the rest of the budget (the
     spare) goes to one live instance at a time, in turn (the one whose clients are in
@@ -202,18 +203,20 @@ class FixedLimits:
 
     def hold(self, instances: list[Instance]) -> dict[str, int]:
         """Hold each segment of these instances at what it maps now (pages in use and in
-        reserve; at least its share of the floor, at most its share of the fixed limit)
-        until `release`: while a killed server restarts, so that the others cannot map what
-        its process freed, which its CUDA context, weights and graphs take again outside
-        kvcached (whose headroom would then keep its pool from starting). Returns the bytes
-        held per server."""
+        reserve; at least its share of the floor) until `release`: while a killed server
+        restarts, so that the others cannot map what its process freed, which its CUDA
+        context, weights and graphs take again outside kvcached (whose headroom would then
+        keep its pool from starting). Never below what a segment maps, even where that is
+        above its share of the fixed limit: a limit under the mapped bytes makes kvcached
+        shrink the pool under load, and a hybrid server whose Mamba slots then cannot be
+        mapped dies (SGLang asserts; seen on an H100, results/2026-12-07-h100-soak-three).
+        Returns the bytes held per server."""
         self.held = {}
         for inst in instances:
             for seg, want in inst.wants.items():
                 rec = read_segment(os.path.join(self.shm_dir, seg))
                 if rec is not None:
-                    floor, limit = (x * want // inst.want() for x in (self.floors[inst.name], self.limits[inst.name]))
-                    self.held[seg] = min(limit, max(floor, rec[1] + rec[2]))
+                    self.held[seg] = max(self.floors[inst.name] * want // inst.want(), rec[1] + rec[2])
         self.apply()
         return {i.server: sum(self.held.get(seg, 0) for seg in i.wants) for i in instances}
 

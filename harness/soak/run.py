@@ -347,9 +347,9 @@ def options(argv=None):
     ap.add_argument("--budget-mode", choices=("fixed", "arbiter"), default="fixed",
                     help="fixed: each limit set once, the GPU held to the budget by a ballast (no controller); "
                          "arbiter: the spare follows the burst window (kvc.py)")
-    ap.add_argument("--budget-fraction", type=float, default=0.5,
+    ap.add_argument("--budget-fraction", type=float,
                     help="kvcached budget of the shared servers: this fraction of what their pools want (fixed: "
-                         "beyond what they map after the warm-up)")
+                         "beyond what they map after the warm-up; default 0.2) (arbiter: default 0.5)")
     ap.add_argument("--floor-tokens", type=int,
                     help="fixed: a server's limit is the budget less the others' floors; arbiter: no limit goes "
                          "below it (default: --max-cached-tokens fixed, 6144 arbiter)")
@@ -393,6 +393,8 @@ def options(argv=None):
         ap.error("--models takes two or three models (one shared server each)")
     if opts.floor_tokens is None:
         opts.floor_tokens = 6144 if opts.budget_mode == "arbiter" else opts.max_cached_tokens
+    if opts.budget_fraction is None:
+        opts.budget_fraction = 0.5 if opts.budget_mode == "arbiter" else 0.2
     if opts.duration <= 0 or not 0 < opts.budget_fraction < 1 or not 0 < opts.gpu_utilization <= 1:
         ap.error("--duration must be positive, --budget-fraction between 0 and 1, --gpu-utilization in (0, 1]")
     if opts.max_cached_tokens < 0 or opts.floor_tokens < 0:

@@ -208,6 +208,9 @@ def summarize(events: list[dict], config: dict | None = None) -> dict:
     ops = [e for e in events if e.get("type") == "sgl_kernel_ops"]
     if ops:
         report["sgl_kernel_ops"] = {k: v for k, v in ops[-1].items() if k not in ("type", "t")}
+    env = [e for e in events if e.get("type") == "environment" and "error" not in e]
+    if env:   # the GPU and the versions the servers ran on (a result's summary reads them)
+        report["environment"] = {k: v for k, v in env[-1].items() if k not in ("type", "t")}
     report["problems"] = problems(report)
     report["result"] = "pass" if not report["problems"] and report["finished"] else \
         ("fail" if report["problems"] else "incomplete")

@@ -177,8 +177,16 @@ SOAK_KEYS = ("result", "problems", "duration_s", "requests", "aborted_on_purpose
 
 def soak_report(path: Path) -> dict:
     """A soak's report (harness.soak's --out), or its journal (<out>.events.jsonl[.gz]): the
-    report made again."""
+    report made again. A report written before reports kept their environment is made
+    again from the journal beside it."""
     r = raw_json(path)
+    if isinstance(r, dict) and "environment" not in r:
+        beside = [Path(path).with_suffix(suffix) for suffix in (".events.jsonl", ".events.jsonl.gz")]
+        journal = next((p for p in beside if p.is_file()), None)
+        if journal is None:
+            raise SummaryError(f"{path}: a soak report without its environment (GPU, versions): "
+                               f"give its journal, {beside[0].name}")
+        r = raw_json(journal)
     if isinstance(r, list):
         from harness.soak import verdict
         r = verdict.summarize(r)
@@ -191,9 +199,9 @@ def soak_data(paths: list[Path]) -> dict:
     reports = []
     for path in paths:
         r = soak_report(path)
-        oracle = {k: v for k, v in r["oracle"].items() if k != "details"}
-        servers = [{k: v for k, v in s.items() if k not in ("command", "log")} for s in r["servers"]]
-        config = {k: v for k, v in r["config"].items() if k != "argv"}
+        oracle = {k: v for k, v in (r.get("oracle") or {}).items() if k != "details"}
+        servers = [{k: v for k, v in s.items() if k not in ("command", "log")} for s in r.get("servers") or []]
+        config = {k: v for k, v in (r.get("config") or {}).items() if k != "argv"}
         reports.append({"label": Path(path).name.split(".")[0], **{k: r.get(k) for k in SOAK_KEYS},
                         "oracle": oracle, "servers": servers, "config": config})
     return {"reports": reports}

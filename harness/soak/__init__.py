@@ -10,8 +10,8 @@ server's solo answer.
   verdict.py  the oracle, the verdict and the report, from the journal alone.
 
 By default three models share the GPU: qwen2-tiny (MHA), deepseek-v2-tiny (MLA) and
-qwen3.5-tiny (the Mamba hybrid, KVCACHED_PAGE_SIZE_MB=4 as harness/compare runs it), with
-CUDA graphs on (the soak adds no --disable-cuda-graph). No controller knows the load
+qwen3.5-tiny (the Mamba hybrid, KVCACHED_PAGE_SIZE_MB=4 as harness/compare runs it, its
+pools mapped whole: --hybrid-reserve), with CUDA graphs on (the soak adds no --disable-cuda-graph). No controller knows the load
 (--budget-mode fixed, kvc.py): each server's kvcached limit is set once, and a ballast
 (harness/sharing/ballast.py) holds the rest of the GPU, sized after a warm-up (--warmup-s of
 every client on every shared server), so that the servers together can map the budget and

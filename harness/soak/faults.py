@@ -9,8 +9,9 @@
   kill-9            SIGKILL to the whole server, its shared-memory segments removed (kvctl
                     delete does the same); the survivors' requests must not fail (with
                     the arbiter, their kvcached limits must rise: it gives them the killed
-                    one's share; with fixed limits they are held at what they map until
-                    the restart is up, so that what it freed is its restart's); the server
+                    one's share; with fixed limits their KV pools are held at what they
+                    map until the restart is up, so that what it freed is its restart's,
+                    and their Mamba pools keep their limits); the server
                     is restarted and must be ready again (its fixed limit written again,
                     the same bytes).
 Each runs in its own thread at its time in the shared phase (`plan_faults`) and journals

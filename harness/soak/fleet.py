@@ -93,6 +93,10 @@ class FleetServer(servers.Server):
         super().stop(grace)
 
 
+# kvcached keeps min(its pool's pages, this) mapped in reserve: a pool mapped whole
+WHOLE_POOL_PAGES = 1 << 20
+
+
 def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetServer], str | None]:
     """The fleet's servers, by label, and the label of the one with the small host pool."""
     o = opts
@@ -125,6 +129,8 @@ def build(opts, cases: list[matrix.Case], logs: Path) -> tuple[dict[str, FleetSe
             env["KVCACHED_IPC_NAME"] = ipc
             env["KVCACHED_MAX_CACHED_TOKENS"] = str(o.max_cached_tokens)
             env["KVCACHED_GPU_UTILIZATION"] = f"{o.gpu_utilization:g}"
+            if case.pool == "mamba" and o.hybrid_reserve == "whole":
+                env["KVCACHED_MIN_RESERVED_PAGES"] = env["KVCACHED_MAX_RESERVED_PAGES"] = str(WHOLE_POOL_PAGES)
         if deep_gemm:
             env.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "false")
         tree = o.native_path if (o.native_path and not on) else None     # else the caller's SGLang

@@ -77,6 +77,15 @@ def segment_names(shm_dir: str, name: str) -> list[str]:
     return sorted(e for e in entries if pattern.fullmatch(e))
 
 
+MAMBA_GROUP_FIRST = 1000   # kvcached 0.1.6 numbers its Mamba pools' groups from 1000 (ElasticMambaPool)
+
+
+def is_mamba_segment(segment: str) -> bool:
+    """Whether a segment (<name>_g<id>) is a Mamba pool's."""
+    group = re.search(r"_g(\d+)$", segment)
+    return bool(group) and int(group[1]) >= MAMBA_GROUP_FIRST
+
+
 def read_segment(path: str | Path) -> tuple[int, int, int] | None:
     """(limit, used, prealloc) bytes of one segment; None if it is gone or short."""
     try:
@@ -191,7 +200,8 @@ class FixedLimits:
     wrote the pool's full size again), or a `hold`'s; `writes` logs every write.
     With the soak's three tiny models only the largest pool's limit is under what it
     wants: the GPU (the ballast) does nearly all the holding. While a killed server is
-    down, the others are held at what they map (`hold`): what it freed is its restart's."""
+    down, the others' KV pools are held at what they map (`hold`): what it freed is its
+    restart's."""
 
     def __init__(self, shm_dir: str, instances: list[Instance], budget: int, floor_tokens: int):
         self.shm_dir, self.instances = shm_dir, instances
@@ -202,20 +212,19 @@ class FixedLimits:
         self.held: dict[str, int] = {}          # segment -> bytes, while `hold` lasts
 
     def hold(self, instances: list[Instance]) -> dict[str, int]:
-        """Hold each segment of these instances at what it maps now (pages in use and in
+        """Hold each KV segment of these instances at what it maps now (pages in use and in
         reserve; at least its share of the floor) until `release`: while a killed server
         restarts, so that the others cannot map what its process freed, which its CUDA
         context, weights and graphs take again outside kvcached (whose headroom would then
-        keep its pool from starting). Never below what a segment maps, even where that is
-        above its share of the fixed limit: a limit under the mapped bytes makes kvcached
-        shrink the pool under load, and a hybrid server whose Mamba slots then cannot be
-        mapped dies (SGLang asserts; seen on an H100, results/2026-12-07-h100-soak-three).
+        keep its pool from starting). A Mamba segment keeps its limit: SGLang 0.5.20 asserts
+        when kvcached cannot give it a Mamba slot, and a hybrid held at what it mapped at the
+        kill died that way (results/2026-12-07-h100-soak-three.json; docs/upstream.md).
         Returns the bytes held per server."""
         self.held = {}
         for inst in instances:
             for seg, want in inst.wants.items():
                 rec = read_segment(os.path.join(self.shm_dir, seg))
-                if rec is not None:
+                if rec is not None and not is_mamba_segment(seg):
                     self.held[seg] = max(self.floors[inst.name] * want // inst.want(), rec[1] + rec[2])
         self.apply()
         return {i.server: sum(self.held.get(seg, 0) for seg in i.wants) for i in instances}

@@ -356,6 +356,10 @@ def options(argv=None):
     ap.add_argument("--max-cached-tokens", type=int, default=2048,
                     help="KVCACHED_MAX_CACHED_TOKENS of the kvcached servers: finished requests' tokens kept on the "
                          "device (the rest lives in the host pool): what an idle server keeps")
+    ap.add_argument("--hybrid-reserve", choices=("whole", "kvcached"), default="whole",
+                    help="whole: a Mamba hybrid's kvcached pools stay mapped whole (KVCACHED_MIN_RESERVED_PAGES and "
+                         "KVCACHED_MAX_RESERVED_PAGES above their size): kvcached 0.1.6 cannot promise a Mamba slot "
+                         "when the GPU is short, and SGLang asserts (docs/upstream.md); kvcached: its defaults")
     ap.add_argument("--gpu-utilization", type=float, default=0.95,
                     help="KVCACHED_GPU_UTILIZATION of the kvcached servers (and the ballast's sizing)")
     ap.add_argument("--warmup-s", type=float, default=30,

@@ -171,6 +171,7 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
     # its committed summary (`harness.results add soak`), from the journal, as `make report` renders it
     doc = results.make("soak", "2999-01-01-cpu-soak", [out.with_name("run.events.jsonl")], "a planted soak")
     assert doc["command"] and doc["series"]["digest"] and doc["date"] == "2999-01-01"
+    assert report["environment"]["python"] and doc["versions"] == results.environment_fields(report)["versions"]
     (row,) = doc["data"]["reports"]
     assert (row["result"], row["requests"], row["problems"]) == ("pass", report["requests"], [])
     assert f"| run | pass | {report['duration_s']} |" in render.soak(doc["data"])
@@ -258,7 +259,7 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     while a killed server restarts, each other segment held at what it maps."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1": 24 * MIB}   # t_s2: KV and Mamba
+    wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1000": 24 * MIB}   # t_s2: KV and Mamba
     up = threading.Event()
     up.set()
     members = {f"s{i}": SimpleNamespace(label=f"s{i}", role="shared", kvcached=True, ipc_name=f"t_s{i}", up=up)
@@ -275,8 +276,8 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     # budget 28 MiB; floors (512 tokens) 8, 2 and 4 MiB
     got = budget.share(list(members.values()), fraction=0.25, floor_tokens=512)
     assert got["limits_bytes"] == {"s0": 22 * MIB, "s1": 16 * MIB, "s2": 18 * MIB}
-    fixed = {"t_s0": 22 * MIB, "t_s1": 16 * MIB, "t_s2": 18 * MIB // 4, "t_s2_g1": 18 * MIB * 3 // 4}
-    first = [(seg, fixed[seg]) for seg in ("t_s0", "t_s2", "t_s2_g1")]     # t_s1 holds its limit already
+    fixed = {"t_s0": 22 * MIB, "t_s1": 16 * MIB, "t_s2": 18 * MIB // 4, "t_s2_g1000": 18 * MIB * 3 // 4}
+    first = [(seg, fixed[seg]) for seg in ("t_s0", "t_s2", "t_s2_g1000")]     # t_s1 holds its limit already
     assert budget.limits.writes == first
     fleet.shared_t0 = time.time() - 5
     for step in range(12):                               # load moving from server to server
@@ -285,23 +286,23 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
         budget.sample()
     assert budget.limits.writes == first
     write("t_s2", wants["t_s2"])                          # t_s2 restarted: kvcached wrote its full size
-    write("t_s2_g1", wants["t_s2_g1"])
+    write("t_s2_g1000", wants["t_s2_g1000"])
     budget.sample()
-    assert budget.limits.writes == first + [("t_s2", fixed["t_s2"]), ("t_s2_g1", fixed["t_s2_g1"])]
+    assert budget.limits.writes == first + [("t_s2", fixed["t_s2"]), ("t_s2_g1000", fixed["t_s2_g1000"])]
     assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
     samples = [e for e in soak.verdict.read_journal(tmp_path / "journal.jsonl") if e["type"] == "sample"]
     assert len(samples) == 13 and all(c["limit"] == got["limits_bytes"][n] for e in samples
                                       for n, c in e["instances"].items())
-    # s1 killed: s0 and s2 held, each segment at what it maps (at least its share of the
-    # floor: s2's, 4 MiB, is 1 + 3), s0 above its limit too (no shrink under load), then released
+    # s1 killed: the others' KV segments held at what they map (at least their share of the
+    # floor: s2's, 4 MiB, is 1 for its KV segment), above the limit too (no shrink under load);
+    # s2's Mamba segment keeps its limit (kvcached numbers Mamba groups from 1000); then released
     write("t_s0", used=30 * MIB, prealloc=MIB)
-    write("t_s2", used=MIB, prealloc=2 * MIB)
-    write("t_s2_g1", used=MIB, prealloc=MIB)
+    write("t_s2", used=0, prealloc=0)
+    write("t_s2_g1000", used=MIB, prealloc=MIB)
     survivors = [budget.instance(members["s0"]), budget.instance(members["s2"])]
-    assert budget.limits.hold(survivors) == {"s0": 31 * MIB, "s2": 6 * MIB}
+    assert budget.limits.hold(survivors) == {"s0": 31 * MIB, "s2": MIB}
     budget.sample()
-    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == {**fixed, "t_s0": 31 * MIB, "t_s2": 3 * MIB,
-                                                                        "t_s2_g1": 3 * MIB}
+    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == {**fixed, "t_s0": 31 * MIB, "t_s2": MIB}
     budget.limits.release()
     assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
 
@@ -368,10 +369,16 @@ def test_a_dry_run_shows_the_three_models_on_fixed_limits_with_cuda_graphs_and_s
     shared = [s for s in plan["servers"] if s["role"] == "shared"]
     assert [(s["model"], s["pool"]) for s in shared] == [("qwen2-tiny", "mha"), ("deepseek-v2-tiny", "mla"),
                                                          ("qwen3.5-tiny", "mamba")]
-    assert plan["budget_mode"] == "fixed" and plan["ballast"]
+    assert plan["budget_mode"] == "fixed" and plan["ballast"] and "and 0.2 of what their pools want" in plan["budget"]
     assert not any("--disable-cuda-graph" in s["command"] for s in plan["servers"])
     # the hybrid's Mamba cell (over 2 MiB) on 4 MiB pages; the ballast and kvcached agree on the headroom
     assert [s["env"].get("KVCACHED_PAGE_SIZE_MB") for s in shared] == [None, None, "4"]
+    # the hybrid's pools mapped whole (kvcached cannot promise it a Mamba slot when the GPU is short)
+    whole = str(fleets.WHOLE_POOL_PAGES)
+    assert [(s["env"].get("KVCACHED_MIN_RESERVED_PAGES"), s["env"].get("KVCACHED_MAX_RESERVED_PAGES"))
+            for s in shared] == [(None, None), (None, None), (whole, whole)]
+    assert soak.main(["--dry-run", "--out", str(out), "--hybrid-reserve", "kvcached"]) == 0
+    assert not any("KVCACHED_MIN_RESERVED_PAGES" in s["env"] for s in json.loads(capsys.readouterr().out)["servers"])
     assert {s["env"]["KVCACHED_GPU_UTILIZATION"] for s in plan["servers"] if s["kvcached"]} == {"0.95"}
     assert not any(out.parent.glob("run.*"))
 

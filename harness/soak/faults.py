@@ -180,7 +180,9 @@ class Faults:
         if not grew:
             why.append("no survivor's kvcached limit rose after the kill")
         why += [f"{n}: {v['errors']} failed requests after the kill" for n, v in answers.items() if v["errors"]]
-        return {"detail": {"before": before, "segments_removed": removed, "held_bytes": held},
+        readings = budget.limits.readings if budget.limits else {}
+        return {"detail": {"before": before, "segments_removed": removed, "held_bytes": held,
+                           "held_segments": readings},
                 "followed": {"survivors_counters": gained, "survivors_answers": answers,
                              "restart_s": restart_s, "ready_again": ready},
                 "ok": ok, "why": "; ".join(why)}

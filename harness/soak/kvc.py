@@ -177,10 +177,18 @@ def floor_bytes(inst: Instance, floor_tokens: int) -> int:
     return min(inst.want(), int(floor_tokens * inst.bytes_per_token()))
 
 
+def split(inst: Instance, limit: int) -> dict[str, int]:
+    """An instance's limit over its segments in proportion to what they want, but a Mamba
+    segment never under what it wants: a limit there can leave SGLang without a Mamba slot,
+    and a lowered one unmaps kvcached's reserve (`FixedLimits.hold`). Where a hybrid's
+    limit is under what it wants, its segments together may then exceed it by that much."""
+    return {seg: want if is_mamba_segment(seg) else limit * want // inst.want() for seg, want in inst.wants.items()}
+
+
 def write_split(shm_dir: str, inst: Instance, limit: int) -> list[tuple[str, int]]:
-    """An instance's limit, split over its segments in proportion to what they want,
-    written where a segment holds another; the (segment, bytes) written."""
-    return write_segments(shm_dir, {seg: limit * want // inst.want() for seg, want in inst.wants.items()})
+    """An instance's limit, split over its segments (`split`), written where a segment
+    holds another; the (segment, bytes) written."""
+    return write_segments(shm_dir, split(inst, limit))
 
 
 def write_segments(shm_dir: str, limits: dict[str, int]) -> list[tuple[str, int]]:
@@ -210,6 +218,7 @@ class FixedLimits:
                        for i in instances}
         self.writes: list[tuple[str, int]] = []
         self.held: dict[str, int] = {}          # segment -> bytes, while `hold` lasts
+        self.readings: dict[str, dict] = {}     # segment -> its counters when the hold began
 
     def hold(self, instances: list[Instance]) -> dict[str, int]:
         """Hold each KV segment of these instances at what it maps now (pages in use and in
@@ -219,13 +228,16 @@ class FixedLimits:
         keep its pool from starting). A Mamba segment keeps its limit: SGLang 0.5.20 asserts
         when kvcached cannot give it a Mamba slot, and a hybrid held at what it mapped at the
         kill died that way (results/2026-12-07-h100-soak-three.json; docs/upstream.md).
-        Returns the bytes held per server."""
-        self.held = {}
+        Returns the bytes held per server; `readings` keeps what each segment read then."""
+        self.held, self.readings = {}, {}
         for inst in instances:
             for seg, want in inst.wants.items():
                 rec = read_segment(os.path.join(self.shm_dir, seg))
-                if rec is not None and not is_mamba_segment(seg):
-                    self.held[seg] = max(self.floors[inst.name] * want // inst.want(), rec[1] + rec[2])
+                if rec is None:
+                    continue
+                self.held[seg] = rec[0] if is_mamba_segment(seg) else \
+                    max(self.floors[inst.name] * want // inst.want(), rec[1] + rec[2])
+                self.readings[seg] = {"limit": rec[0], "used": rec[1], "prealloc": rec[2], "held": self.held[seg]}
         self.apply()
         return {i.server: sum(self.held.get(seg, 0) for seg in i.wants) for i in instances}
 

@@ -172,6 +172,14 @@ def test_the_soak_passes_with_every_fault_and_its_journal_gives_the_same_report(
     doc = results.make("soak", "2999-01-01-cpu-soak", [out.with_name("run.events.jsonl")], "a planted soak")
     assert doc["command"] and doc["series"]["digest"] and doc["date"] == "2999-01-01"
     assert report["environment"]["python"] and doc["versions"] == results.environment_fields(report)["versions"]
+    # a report from before reports kept their environment: summarized from the journal beside it, else refused
+    older = out.parent / "older"
+    older.mkdir()
+    (older / "run.json").write_text(json.dumps({k: v for k, v in report.items() if k != "environment"}))
+    with pytest.raises(results.SummaryError, match="give its journal, run.events.jsonl"):
+        results.make("soak", "2999-01-01-cpu-soak", [older / "run.json"], "a planted soak")
+    shutil.copy(out.with_name("run.events.jsonl"), older)
+    assert results.make("soak", "2999-01-01-cpu-soak", [older / "run.json"], "a planted soak")["machine"] == doc["machine"]
     (row,) = doc["data"]["reports"]
     assert (row["result"], row["requests"], row["problems"]) == ("pass", report["requests"], [])
     assert f"| run | pass | {report['duration_s']} |" in render.soak(doc["data"])
@@ -254,12 +262,14 @@ MIB = 1 << 20
 
 def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     """The fixed mode's limits: the budget less the others' floors, at most what a pool
-    wants, split over an instance's segments; written when the shared phase begins, never
-    changed under load, written again (the same bytes) where a restart wrote its full size;
-    while a killed server restarts, each other segment held at what it maps."""
+    wants, split over an instance's segments (a Mamba pool's never under what it wants);
+    written when the shared phase begins, never changed under load, written again (the same
+    bytes) where a restart wrote its full size; while a killed server restarts, each other
+    KV segment held at what it maps, each Mamba segment at its limit."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1000": 24 * MIB}   # t_s2: KV and Mamba
+    # t_s2: a hybrid with two KV pools (group 0 and 1) and a Mamba pool (kvcached numbers its groups from 1000)
+    wants = {"t_s0": 64 * MIB, "t_s1": 16 * MIB, "t_s2": 8 * MIB, "t_s2_g1": 8 * MIB, "t_s2_g1000": 16 * MIB}
     up = threading.Event()
     up.set()
     members = {f"s{i}": SimpleNamespace(label=f"s{i}", role="shared", kvcached=True, ipc_name=f"t_s{i}", up=up)
@@ -276,8 +286,9 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
     # budget 28 MiB; floors (512 tokens) 8, 2 and 4 MiB
     got = budget.share(list(members.values()), fraction=0.25, floor_tokens=512)
     assert got["limits_bytes"] == {"s0": 22 * MIB, "s1": 16 * MIB, "s2": 18 * MIB}
-    fixed = {"t_s0": 22 * MIB, "t_s1": 16 * MIB, "t_s2": 18 * MIB // 4, "t_s2_g1000": 18 * MIB * 3 // 4}
-    first = [(seg, fixed[seg]) for seg in ("t_s0", "t_s2", "t_s2_g1000")]     # t_s1 holds its limit already
+    # s2's 18 MiB over its KV pools by what they want (a quarter each); its Mamba pool keeps all it wants
+    fixed = {"t_s0": 22 * MIB, "t_s1": 16 * MIB, "t_s2": 18 * MIB // 4, "t_s2_g1": 18 * MIB // 4, "t_s2_g1000": 16 * MIB}
+    first = [(seg, fixed[seg]) for seg in ("t_s0", "t_s2", "t_s2_g1")]     # t_s1 and t_s2_g1000 hold theirs already
     assert budget.limits.writes == first
     fleet.shared_t0 = time.time() - 5
     for step in range(12):                               # load moving from server to server
@@ -285,24 +296,28 @@ def test_fixed_limits_are_set_once_and_set_back_only_after_a_restart(tmp_path):
             write(seg, used=(step * 7 + i * 3) % 11 * MIB, prealloc=MIB * (step % 2))
         budget.sample()
     assert budget.limits.writes == first
-    write("t_s2", wants["t_s2"])                          # t_s2 restarted: kvcached wrote its full size
-    write("t_s2_g1000", wants["t_s2_g1000"])
+    for seg in ("t_s2", "t_s2_g1", "t_s2_g1000"):         # t_s2 restarted: kvcached wrote its full sizes
+        write(seg, wants[seg])
     budget.sample()
-    assert budget.limits.writes == first + [("t_s2", fixed["t_s2"]), ("t_s2_g1000", fixed["t_s2_g1000"])]
+    assert budget.limits.writes == first + [("t_s2", fixed["t_s2"]), ("t_s2_g1", fixed["t_s2_g1"])]
     assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
     samples = [e for e in soak.verdict.read_journal(tmp_path / "journal.jsonl") if e["type"] == "sample"]
-    assert len(samples) == 13 and all(c["limit"] == got["limits_bytes"][n] for e in samples
-                                      for n, c in e["instances"].items())
-    # s1 killed: the others' KV segments held at what they map (at least their share of the
-    # floor: s2's, 4 MiB, is 1 for its KV segment), above the limit too (no shrink under load);
-    # s2's Mamba segment keeps its limit (kvcached numbers Mamba groups from 1000); then released
+    per_server = {"s0": 22 * MIB, "s1": 16 * MIB, "s2": 25 * MIB}
+    assert len(samples) == 13 and all(c["limit"] == per_server[n] for e in samples for n, c in e["instances"].items())
+    # s1 killed: the others' KV segments held at what they map, at least their share of the
+    # floor (s2's 4 MiB: 1 for t_s2) and above the limit too (no shrink under load); the Mamba
+    # segment at its limit; then released
     write("t_s0", used=30 * MIB, prealloc=MIB)
     write("t_s2", used=0, prealloc=0)
+    write("t_s2_g1", used=2 * MIB, prealloc=MIB)
     write("t_s2_g1000", used=MIB, prealloc=MIB)
     survivors = [budget.instance(members["s0"]), budget.instance(members["s2"])]
-    assert budget.limits.hold(survivors) == {"s0": 31 * MIB, "s2": MIB}
+    assert budget.limits.hold(survivors) == {"s0": 31 * MIB, "s2": (1 + 3 + 16) * MIB}
+    assert budget.limits.readings["t_s2_g1"] == {"limit": fixed["t_s2_g1"], "used": 2 * MIB, "prealloc": MIB,
+                                                  "held": 3 * MIB}
     budget.sample()
-    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == {**fixed, "t_s0": 31 * MIB, "t_s2": MIB}
+    assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == {**fixed, "t_s0": 31 * MIB, "t_s2": MIB,
+                                                                        "t_s2_g1": 3 * MIB}
     budget.limits.release()
     assert {seg: kvc.read_segment(shm / seg)[0] for seg in wants} == fixed
 

@@ -14,8 +14,8 @@ where and as the image's build runs it:
    (scripts/install-into-python, run from the copy, as the Dockerfile runs it);
 2. the rest (`project_files`, `l3_store`: checks of this project's own files, the
    Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH, at
-   the same time as part 1 (much of it waits on stand-in servers and subprocesses; two
-   cores overlap the parts), its output held back and shown after part 1's.
+   the same time as part 1 (much of it waits on stand-in servers and subprocesses, so
+   part 1 runs on two pytest-xdist workers), its output held back and shown after part 1's.
 Both run with OMP_NUM_THREADS=1 unless it is set (torch's threads would fight for the cores);
 the image's build, one part alone, leaves it unset.
 
@@ -50,6 +50,10 @@ REST = ["-m", f"not ({SELECTION})", "tests/cpu"]
 UPSTREAM = ["tests/upstream"]  # the tests the series' upstream PRs carry, in SGLang's style
 CACHE = Path("build") / "cache"
 NOTHING_RAN = 5  # pytest's exit status when no test is selected
+# Part 1 is busy on the CPU and part 2 mostly waits on stand-in servers: part 1 runs its test
+# files on two pytest-xdist workers (a file's tests on one worker, so that a module's fixture
+# is built once).
+WORKERS = ["-n", "2", "--dist", "loadfile"]
 
 
 class LayoutError(Exception):
@@ -191,7 +195,7 @@ def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
         if step.returncode != 0:
             print("the image's install step failed (above)", file=sys.stderr)
             return step.returncode
-        status = pytest(pytest_args, IMAGE_TIER, work, dict(env, PYTHONPATH=str(work), PRISTINE_SGLANG=str(pristine)),
+        status = pytest([*WORKERS, *pytest_args], IMAGE_TIER, work, dict(env, PYTHONPATH=str(work), PRISTINE_SGLANG=str(pristine)),
                         python)
         _share(work / CACHE, root / CACHE)
         return status

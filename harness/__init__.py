@@ -9,6 +9,8 @@ Makefile does), e.g. `python -m harness.compare --help`.
   bench_server.py    `make bench-server`: SGLang's bench_serving, kvcached vs native
   sharing/           `make bench-sharing`: several models sharing one GPU with HiCache vs a static split
   transfer_bench.py  `make bench`: HiCache's host transfers; plot.py draws a run
+  differential/      the differential gate: pristine SGLang vs the patched tree, case by case
+  emulation/         SGLang's compiled copy kernels emulated on CPU, and allocator stand-ins
   results.py         the committed summaries' schema (results/*.json), made from a run's report
   report.py          `make report`: docs/results.md rendered from the summaries (--check)
   checkpoint.py      a trained GGUF checkpoint as a Hugging Face folder

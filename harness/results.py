@@ -218,7 +218,7 @@ PAIR_COUNTS = re.compile(r"^(pristine|patched): (.*) \((.*)\): (\d+) cases, (\d+
 
 
 def differential_data(paths: list[Path]) -> dict:
-    """The differential pair's printout (tests.support.differential.pair): each tree's counts,
+    """The differential pair's printout (harness.differential.pair): each tree's counts,
     the state entries only the patched tree has, and whether every case was identical."""
     text = Path(paths[0]).read_text()
     trees, only_patched = {}, []

@@ -45,7 +45,7 @@ CPU = ROOT / "tests" / "cpu"
 # kernel emulation's fixtures or the support modules that drive SGLang's stack; the
 # others, and every file marked project_files, check this project's own files and tools.
 RUNS_SGLANG = re.compile(r"^\s*(from|import) sglang\b|\b(host_modules|kernel_emulation)\b|"
-                         r"tests\.support\.(differential|controller|pp_stages|l3_storage)\b", re.M)
+                         r"tests\.support\.(controller|pp_stages|l3_storage)\b|harness\.(differential|emulation)\b", re.M)
 PROJECT_FILES = re.compile(r"^pytestmark = pytest\.mark\.project_files\b", re.M)
 
 

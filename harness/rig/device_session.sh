@@ -54,7 +54,7 @@ if has tier; then
 fi
 if has differential; then
   read -r -a diff_args <<< "${DIFF_ARGS:-}"  # words, not file names: --case mha* stays a pattern
-  python3 -m tests.support.differential.pair --pristine "$pristine" --patched "$site" \
+  python3 -m harness.differential.pair --pristine "$pristine" --patched "$site" \
     --out "$out/differential" --device cuda --real-kernels "${diff_args[@]}" > "$out/differential.log" 2>&1
   echo "differential exit: $?" >> "$out/differential.log"
 fi

@@ -1,12 +1,12 @@
 """CPU tier: the real SGLang host-pool classes of the tree on PYTHONPATH (the patched
 one under `make test`), over device pools with kvcached's geometry, with only the
-compiled kernels emulated (tests/support/emulators.py): SGLang's Python kernel
+compiled kernels emulated (harness/emulation/__init__.py): SGLang's Python kernel
 wrappers and JIT gates run as they are."""
 from types import SimpleNamespace
 
 import pytest
 
-from tests.support.emulators import install_kernel_emulation
+from harness.emulation import install_kernel_emulation
 
 
 # SGLang warns at import that its AWQ and GGUF kernels need a GPU ("Only CUDA, HIP and

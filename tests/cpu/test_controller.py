@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+from harness.emulation.allocators import PageAllocator, SlotAllocator
 from tests.support import controller as ctl
 from tests.support.kvcached_views import mamba_pool, mha_pool, mla_pool
 from harness.models import DEEPSEEK_V2_LITE, QWEN25_7B, QWEN35_4B
@@ -73,13 +74,13 @@ def run(kind, layout, flags=(), *, trips=TRIPS):
     generator = torch.Generator().manual_seed(0)
     kv = kv_device_pool(kind, layout)
     pages = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
-    allocator = ctl.PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng)
+    allocator = PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng)
     mamba, slots = None, None
     if kind == "hybrid":
         mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV,
                            temporal_shape=GDN_SSM, page_bytes=64 << 10)
         slots = list(range(1, 11))  # slot 0 is kvcached's null slot
-    params = ctl.cache_init_params(kv, allocator, mamba and ctl.SlotAllocator(slots[4:], "cpu", rng))
+    params = ctl.cache_init_params(kv, allocator, mamba and SlotAllocator(slots[4:], "cpu", rng))
     group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA",
                                         full_layers=HYBRID_FULL if kind == "hybrid" else range(kv.layer_num),
                                         mamba_pool=mamba, linear_layers=HYBRID_LINEAR)
@@ -160,8 +161,8 @@ def hybrid_host_sizes(layout, flags):
     kv = kv_device_pool("hybrid", layout)
     mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV, temporal_shape=GDN_SSM,
                        page_bytes=64 << 10)
-    params = ctl.cache_init_params(kv, ctl.PageAllocator(kv, range(1, DEVICE_PAGES + 1), PAGE, "cpu", rng),
-                                   ctl.SlotAllocator(range(1, 11), "cpu", rng))
+    params = ctl.cache_init_params(kv, PageAllocator(kv, range(1, DEVICE_PAGES + 1), PAGE, "cpu", rng),
+                                   SlotAllocator(range(1, 11), "cpu", rng))
     group, _ = ctl.build_stack(params, kv, use_mla=False, full_layers=HYBRID_FULL, mamba_pool=mamba,
                                linear_layers=HYBRID_LINEAR)
     try:

@@ -1,13 +1,13 @@
 """The series changes nothing for SGLang's own pools: pristine 0.5.20 is the oracle.
 
-tests/support/differential/runner.py runs every case (every host-pool class and builder
+harness/differential/runner.py runs every case (every host-pool class and builder
 SGLang 0.5.20 has, crossed with every host layout and io backend its parser accepts,
 over SGLang's own dense device pools with real models' shapes) in one process per
 tree: the pristine tree ($PRISTINE_SGLANG) and the tree under test (the `sglang` on
 PYTHONPATH, the patched one under `make test`). The two processes run side by side;
 their outcomes must be identical: the same exception where pristine refuses, the same
 sizes, the same bytes in every host and device buffer after every step. Kernels are
-emulated below SGLang's Python wrappers (tests/support/emulators.py). What is covered
+emulated below SGLang's Python wrappers (harness/emulation/__init__.py). What is covered
 and how to run the same cases on a GPU with the real kernels: docs/differential.md.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.differential import compare, inventory, pair
+from harness.differential import compare, inventory, pair
 
 PRISTINE = os.environ.get("PRISTINE_SGLANG")
 
@@ -104,7 +104,7 @@ def test_every_scenario_crosses_every_layout_and_io_backend(outcomes):
 def test_long_trips_back_up_more_than_one_staging_chunk(outcomes):
     # the page_first write-back stages 64 pages a launch: these cases take several
     from sglang.srt.mem_cache.pool_host.base import _WRITE_BACK_STAGING_PAGE_CHUNK
-    from tests.support.differential.scenarios import PAGE
+    from harness.differential.scenarios import PAGE
 
     pristine, _ = outcomes
     staged = [case for case in pristine["cases"] if "-long-trips/" in case["id"] and
@@ -172,7 +172,7 @@ def test_gpu_runner_unregisters_what_a_case_left_pinned(monkeypatch):
     import torch
     from sglang.srt.mem_cache.pool_host import common
 
-    from tests.support.differential import kernels
+    from harness.differential import kernels
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -3,7 +3,7 @@
 The wrappers the series changes (kernels/ops/kvcache/hicache.py: the staged
 write-back's source stride; kernels/ops/mamba/transfer_mamba.py: the device slot
 stride) run unchanged; only the compiled kernels below them are
-emulated (tests/support/emulators.py). Device buffers are laid out as kvcached lays
+emulated (harness/emulation/__init__.py). Device buffers are laid out as kvcached lays
 them out (a layer's rows strided by every layer's row, or a layer's states strided by
 every layer's state), every byte random, host buffers poisoned: a stride a wrapper
 drops or defaults wrongly copies other bytes, which the byte comparisons see. The last
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.emulated_memory import KernelError
+from harness.emulation.memory import KernelError
 
 LAYERS, PAGE, ROW = 3, 4, 256  # ROW: bytes per token and layer (the JIT kernels need multiples of 128)
 DEVICE_TOKENS, HOST_TOKENS = 8 * PAGE, 6 * PAGE

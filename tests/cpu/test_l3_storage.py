@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.emulation.allocators import PageAllocator
 from tests.support import controller as ctl
 from tests.support import l3_storage as l3
 from tests.support.kvcached_views import mha_pool, mla_pool
@@ -103,7 +104,7 @@ def l3_trips(kind, pool_layout, backend, layout, extra_config=None, *, trips=TRI
     generator = torch.Generator().manual_seed(0)
     kv = device_pool(kind, pool_layout)
     pages = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
-    params = ctl.cache_init_params(kv, ctl.PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
+    params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
     with l3.single_rank():
         group, controller = asm.build_kv_only_stack(
             params=params, kv_pool=kv, full_layer_mapping={i: i for i in range(kv.layer_num)},

@@ -20,6 +20,7 @@ import threading
 import pytest
 import torch
 
+from harness.emulation.allocators import PageAllocator, SlotAllocator
 from tests.support import controller as ctl
 from tests.support import pp_stages as pp
 from tests.support.kvcached_views import mamba_pool, mha_pool, mla_pool
@@ -71,7 +72,7 @@ def test_last_stage_round_trips(controller_env, kind, layout):
     generator = torch.Generator().manual_seed(0)
     kv = stage_kv_pool(kind, layout, start, end)
     pages = list(range(1, DEVICE_PAGES + 1))
-    params = ctl.cache_init_params(kv, ctl.PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
+    params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
     # _PlainKvStrategy's mapping: the pool's local layers, {i: i}.
     group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA", full_layers=range(kv.layer_num))
     host = group.anchor_entry.host_pool
@@ -138,8 +139,8 @@ def hybrid_stage_trip(layout, start, end):
     mamba = mamba_pool(layout, slots=4, layers=len(mamba_map), conv_shapes=GDN_CONV, temporal_shape=GDN_SSM,
                        page_bytes=64 << 10)
     pages = list(range(1, DEVICE_PAGES + 1))
-    params = ctl.cache_init_params(kv, ctl.PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng),
-                                   ctl.SlotAllocator([3, 4], "cpu", rng))
+    params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng),
+                                   SlotAllocator([3, 4], "cpu", rng))
     group, controller = asm.build_hybrid_mamba_stack(
         params=params, kv_pool=kv, mamba_pool=mamba, full_layer_mapping=full_map, mamba_layer_mapping=mamba_map,
         load_cache_event=threading.Event(), storage_backend=None, use_mla=False)

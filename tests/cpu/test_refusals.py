@@ -39,7 +39,7 @@ def test_mha_without_the_jit_kernel(host_modules, monkeypatch, layout):
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_page_first_direct(host_modules, kind):
     """sglang-kernel's page_first_direct copies take page_size * stride(0) bytes per layer
-    (tests/support/emulated_aot.py): right only for dense views."""
+    (harness/emulation/aot.py): right only for dense views."""
     pool, cls = ((strided_mha(), host_modules.mha.MHATokenToKVPoolHost) if kind == "mha"
                  else (strided_mla(), host_modules.mla.MLATokenToKVPoolHost))
     with pytest.raises(ValueError, match="page_first_direct cannot copy; use --hicache-mem-layout page_first"):

@@ -18,6 +18,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.runtime_context import reset_context
+from harness.emulation.allocators import PageAllocator, SlotAllocator
 from tests.gpu.conftest import record
 from tests.gpu.pools import PAGE, gdn_pool, mha_pool, mla_pool_of_its_own
 from tests.support import controller as ctl
@@ -49,8 +50,8 @@ def run(kind, host_layout, trips, mamba=None, full_layers=None, linear_layers=()
     if mamba is not None:
         slots = sorted(mamba.alloc(20).tolist())
         data_slots, scratch_slots = slots[:8], slots[8:]
-        slot_allocator = ctl.SlotAllocator(scratch_slots, "cuda", rng)
-    params = ctl.cache_init_params(pool, ctl.PageAllocator(pool, scratch_pages, PAGE, "cuda", rng), slot_allocator)
+        slot_allocator = SlotAllocator(scratch_slots, "cuda", rng)
+    params = ctl.cache_init_params(pool, PageAllocator(pool, scratch_pages, PAGE, "cuda", rng), slot_allocator)
     full_layers = full_layers or range(pool.layer_num)
     group, controller = ctl.build_stack(params, pool, use_mla=kind == "MLA", full_layers=full_layers,
                                         mamba_pool=mamba, linear_layers=linear_layers)

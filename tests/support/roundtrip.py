@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from harness.emulation.allocators import pages_to_rows
+
 
 @dataclass
 class Rows:
@@ -57,11 +59,6 @@ def mamba_families(pool, host):
     for i in range(len(states[0].conv)):
         families.append(Rows(f"conv{i}", [s.conv[i] for s in states], lambda l, i=i: host.conv_buffer[i][:, l, 0]))
     return families
-
-
-def pages_to_rows(pages, page_size: int) -> torch.Tensor:
-    base = torch.as_tensor(list(pages), dtype=torch.int64)[:, None] * page_size
-    return (base + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def _debug(case, difference):
 
 
 # The emulators' messages for what a GPU does not refuse but suffers: a copy outside its
-# allocation (emulated_memory.Region.at), a null pointer in a kernel's pointer table
+# allocation (harness.emulation.memory.Region.at), a null pointer in a kernel's pointer table
 # (Region.of_address), the launcher's integer division by zero (emulated_aot._indices).
 FAULTS = ("illegal memory access", "null pointer in a kernel pointer table", "integer division by zero")
 
@@ -122,7 +122,7 @@ def report(differences: Differences, limit: int = 12) -> str:
 
 
 def main(argv=None):
-    """python -m tests.support.differential.compare PRISTINE.json PATCHED.json"""
+    """python -m harness.differential.compare PRISTINE.json PATCHED.json"""
     import argparse
     import sys
 

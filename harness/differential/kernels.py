@@ -2,7 +2,7 @@
 
 One place, so that the CPU and GPU variants differ here and nowhere else.
 
-* CPU (``emulate``): tests/support/emulators.py's process-wide emulation, below SGLang's
+* CPU (``emulate``): harness/emulation/__init__.py's process-wide emulation, below SGLang's
   Python kernel wrappers (the wrappers, their argument handling and the JIT gates run as
   they are). Host memory cannot be registered with CUDA here, and SGLang's cache
   controller asks torch for CUDA streams and events: both are pointed at the CPU
@@ -25,7 +25,7 @@ def emulate():
     from sglang.srt.mem_cache import l2_transfer
     from sglang.srt.mem_cache.pool_host import common
 
-    from tests.support.emulators import install_kernel_emulation
+    from harness.emulation import install_kernel_emulation
 
     undo = install_kernel_emulation()
     for module in (cache_controller, l2_transfer):

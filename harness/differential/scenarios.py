@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from tests.support.controller import PageAllocator, SlotAllocator
-from tests.support.differential.steps import TRIP_PAGES, TRIPS
+from harness.emulation.allocators import PageAllocator, SlotAllocator
+from harness.differential.steps import TRIP_PAGES, TRIPS
 from harness.models import GPT_OSS_20B, QWEN25_7B, QWEN35_4B
 
 PAGE = 16

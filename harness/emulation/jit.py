@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.emulated_memory import (
+from harness.emulation.memory import (
     ANY, KernelError, Region, Symbol, as_int, check, copy, ints, match, table,
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.differential import probe
+from harness.differential import probe
 
 TRIPS = 2
 TRIP_PAGES = 2

@@ -5,13 +5,13 @@ Python reaches compiled code, and returns a callable that undoes it:
 
 * JIT kernels: ``load_jit`` inside SGLang's wrapper modules
   (kernels/ops/kvcache/hicache.py, kernels/ops/mamba/transfer_mamba.py) becomes
-  tests/support/emulated_jit.py's loader. The wrappers, their argument handling and
+  harness/emulation/jit.py's loader. The wrappers, their argument handling and
   the gates ``can_use_hicache_jit_kernel`` / ``can_use_write_back_jit_kernel`` (which
   build a module to decide) run unchanged; the wrappers' cached modules are emptied on
   install and on undo, so no emulated module outlives the emulation.
 * AOT kernels (sglang-kernel, not in SGLang's wheel): every host-pool module that
   imports ``sgl_kernel.kvcacheio`` names under ``if _is_cuda or _is_hip:`` gets
-  tests/support/emulated_aot.py's functions under those names, and the other names
+  harness/emulation/aot.py's functions under those names, and the other names
   imported in those blocks (the Mamba JIT wrappers) are bound to SGLang's real ones.
 
 Flags: those same host-pool modules get ``_is_cuda = True``. Without CUDA they
@@ -20,13 +20,13 @@ functions exist and whether the JIT gates are asked), and on a GPU machine this 
 what they see. Nothing else is flipped: pinning and streams stay CPU ones.
 
 Both trees are served: the JIT emulation reads each kernel's signature from the
-.cuh files of the tree that is imported (emulated_jit.py), so SGLang 0.5.20 and the
+.cuh files of the tree that is imported (harness/emulation/jit.py), so SGLang 0.5.20 and the
 patched tree each get their own kernels.
 
 Used by the CPU tier through the ``kernel_emulation`` / ``host_modules`` fixtures
 (tests/cpu/conftest.py), and from plain scripts::
 
-    from tests.support.emulators import install_kernel_emulation
+    from harness.emulation import install_kernel_emulation
     undo = install_kernel_emulation()
     ...
     undo()
@@ -38,9 +38,9 @@ import importlib
 import inspect
 import pkgutil
 
-from tests.support.emulated_aot import KVCACHEIO
-from tests.support.emulated_jit import Recorder, make_loader
-from tests.support.emulated_memory import BOOK, KernelError
+from harness.emulation.aot import KVCACHEIO
+from harness.emulation.jit import Recorder, make_loader
+from harness.emulation.memory import BOOK, KernelError
 
 WRAPPER_MODULES = ("sglang.kernels.ops.kvcache.hicache", "sglang.kernels.ops.mamba.transfer_mamba")
 HOST_PACKAGE = "sglang.srt.mem_cache.pool_host"
@@ -139,7 +139,7 @@ def _patch_host_modules(emulation: KernelEmulation):
                 if node.module == AOT_MODULE:
                     if alias.name not in KVCACHEIO:
                         raise KernelError(f"{module.__name__} imports {AOT_MODULE}.{alias.name}, which "
-                                          "tests/support/emulated_aot.py does not emulate")
+                                          "harness/emulation/aot.py does not emulate")
                     value = KVCACHEIO[alias.name]
                 else:
                     value = getattr(importlib.import_module(node.module), alias.name)

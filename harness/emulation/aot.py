@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.emulated_memory import KernelError, Region, as_int, check, copy, ints, table
+from harness.emulation.memory import KernelError, Region, as_int, check, copy, ints, table
 
 
 def _indices(src_indices, dst_indices):

@@ -1,6 +1,6 @@
 """Run the differential cases on a pristine and a patched SGLang tree, side by side, and compare.
 
-    python -m tests.support.differential.pair --pristine DIR --patched DIR --out OUTDIR \
+    python -m harness.differential.pair --pristine DIR --patched DIR --out OUTDIR \
         [--device cuda --real-kernels] [--case GLOB]
 
 DIR is a folder holding the `sglang/` package (an upstream checkout's python/, or an
@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.differential import compare
+from harness.differential import compare
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def series_state(tree: Path) -> str:
@@ -52,7 +52,7 @@ def run_pair(trees: dict[str, Path], out: Path, runner_args: list[str] = ()) -> 
                    SGLANG_JIT_CACHE_DIR=os.path.join(jit_cache, name))
         log = open(out / f"{name}.log", "w")
         procs[name] = (log, subprocess.Popen(
-            [sys.executable, "-m", "tests.support.differential.runner", "--out", str(out / f"{name}.json"),
+            [sys.executable, "-m", "harness.differential.runner", "--out", str(out / f"{name}.json"),
              *runner_args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     documents = {}
     for name, (log, proc) in procs.items():

@@ -1,6 +1,6 @@
 """Run every differential case against the SGLang tree on PYTHONPATH; write the outcomes.
 
-    PYTHONPATH=<sglang tree>:<this repo> python -m tests.support.differential.runner --out FILE
+    PYTHONPATH=<sglang tree>:<this repo> python -m harness.differential.runner --out FILE
     ... --device cuda --real-kernels       (on a GPU: real JIT kernels, pinned host memory)
 
 One process runs all cases (importing SGLang takes seconds). A case is a scenario
@@ -47,10 +47,10 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.support.differential import kernels, probe
-from tests.support.differential.entry import build, publish
-from tests.support.differential.scenarios import SCENARIOS, Context
-from tests.support.differential.steps import TRIPS, Trip, describe, pool_roots, storage_steps
+from harness.differential import kernels, probe
+from harness.differential.entry import build, publish
+from harness.differential.scenarios import SCENARIOS, Context
+from harness.differential.steps import TRIPS, Trip, describe, pool_roots, storage_steps
 
 LAYOUT_FLAG, IO_FLAG = "hicache_mem_layout", "hicache_io_backend"
 # host_memory_budget_bytes() reads psutil's free memory, which differs between two runs
@@ -335,7 +335,7 @@ def main(argv=None):
 
     tree = os.path.dirname(os.path.dirname(os.path.abspath(sglang.__file__)))
     pin_host_memory_report()
-    kernels_note = kernels.real() if args.real_kernels else "emulated (tests/support/emulators.py)"
+    kernels_note = kernels.real() if args.real_kernels else "emulated (harness/emulation/__init__.py)"
     if not args.real_kernels:
         kernels.emulate()
     reach = Reach()

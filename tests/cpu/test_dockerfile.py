@@ -1,11 +1,6 @@
-"""The image's build: what no linter checks (hadolint lints the Dockerfile: `make lint`).
-
-A plain build starts from the pinned base; every COPY source is in the build context
-(.dockerignore by Docker's own code, tests/support/build_context.py); `make test` runs the
-image's tests as the image's build runs them (tests/support/cpu_tier.py); the stand-in
-base's pure steps (ci/image/base_wheels.py); the engine `make image` uses and its one-line
-answers (ci/image/engine.sh), run against fake engines on PATH.
-"""
+"""The image's build, what hadolint does not check: the pinned base, the build context,
+`make test`'s image part (tests/support/cpu_tier.py), the stand-in base's pure steps
+(ci/image/base_wheels.py), and ci/image/engine.sh and `make image` against fake engines."""
 from __future__ import annotations
 
 import os
@@ -26,8 +21,7 @@ PIN = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().spli
 
 
 def test_a_plain_build_starts_from_the_pinned_base():
-    """sglang.pin is the one place SGLang is pinned; a plain `docker build .` (no build
-    arguments) starts from the image it names, by digest, and records the same release."""
+    """A `docker build .` without arguments starts from sglang.pin's image, by digest, and its release."""
     import dockerfile
     defaults: dict[str, str] = {}
     for command in dockerfile.parse_file(str(DOCKERFILE)):
@@ -44,24 +38,18 @@ def test_a_plain_build_starts_from_the_pinned_base():
         assert defaults[key] == PIN[key], key
 
 
-# The build context, by Docker's own code (tests/support/build_context.py).
-
 def test_every_copy_source_is_in_the_build_context():
-    """The defect a real build found: `*` let in only some folders, and the first COPY
-    (sglang.pin) failed. Every COPY/ADD source must be sent."""
+    """A real build's defect: .dockerignore's `*` let in only some folders; COPY sglang.pin failed."""
     from tests.support.build_context import copy_sources, missing_sources
     dockerfile = DOCKERFILE.read_text()
     assert copy_sources(dockerfile) and missing_sources(ROOT, dockerfile) == []
-    # The .dockerignore before the fix: the check names the file the build stopped at.
+    # the .dockerignore before the fix: the check names the file the build stopped at
     before = (ROOT / ".dockerignore").read_text().replace("!sglang.pin\n", "")
     assert missing_sources(ROOT, dockerfile, before) == ["sglang.pin"]
 
 
-# The image's tests run in a copy of the image's project folder (tests/support/cpu_tier.py).
-
 def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_path):
-    """The copy `make test` runs the image's tests in: every file under each folder the
-    Dockerfile copies (bytecode aside), sglang.pin, and nothing of the rest."""
+    """The copy `make test` runs the image's tests in (tests/support/cpu_tier.py), bytecode aside."""
     from tests.support.build_context import copy_sources
     from tests.support.cpu_tier import lay_out
     copied = set(lay_out(tmp_path / "opt"))
@@ -76,23 +64,16 @@ def test_the_image_folder_holds_what_the_dockerfile_copies_and_nothing_else(tmp_
 
 
 PLANTED = """\
-import os
-import subprocess
-import sys
+import os, subprocess, sys
 from pathlib import Path
-
 import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_reads_the_readme():
     assert (ROOT / "README.md").read_text() == "readme\\n"
 
-
 def test_a_program_it_starts_reads_the_readme():
     subprocess.run(["cat", "README.md"], cwd=ROOT, check=True, capture_output=True)
-
 
 def test_pythonpath_decides_which_sglang_imports(tmp_path):
     (tmp_path / "sglang").mkdir()
@@ -102,15 +83,12 @@ def test_pythonpath_decides_which_sglang_imports(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(tmp_path))).stdout
     assert out.strip() == "None"
 
-
 @pytest.mark.project_files
 def test_reads_the_readme_and_says_so():
     assert (ROOT / "README.md").read_text() == "readme\\n"
 
-
 def test_reads_what_the_image_has():
     assert (ROOT / "sglang.pin").read_text() == "pin\\n"
-
 
 @pytest.mark.l3_store
 def test_left_to_the_checkout_part_too():
@@ -123,22 +101,19 @@ PLANTED_INSTALL = "import sglang, sys\nprint('sglang imports from', sglang.__fil
 
 
 def planted_project(root: Path) -> Path:
-    """A project whose image copies tests/, scripts/ and sglang.pin, and whose tests read
-    its README (in the build context, not copied); beside it, its pristine SGLang (a
-    package with sglang.test)."""
-    (root / "tests" / "cpu").mkdir(parents=True)
-    (root / "scripts").mkdir()
+    """A project whose image copies tests/, scripts/ and sglang.pin, whose tests read its
+    README (sent, not copied); beside it, its pristine SGLang (with sglang.test)."""
+    pristine = root.parent / "pristine" / "sglang"
+    for folder in (root / "tests" / "cpu", root / "scripts", pristine / "test"):
+        folder.mkdir(parents=True)
     (root / "Dockerfile").write_text("FROM base\nWORKDIR /opt/p\nCOPY sglang.pin ./\nCOPY scripts/ scripts/\n"
                                      "COPY tests/ tests/\nRUN true\n")
     (root / ".dockerignore").write_text("*\n!sglang.pin\n!scripts/\n!tests/\n!README.md\n")
     (root / "scripts" / "install-into-python").write_text(PLANTED_INSTALL.format(status=0))
-    (root.parent / "pristine" / "sglang" / "test").mkdir(parents=True)
-    (root.parent / "pristine" / "sglang" / "__init__.py").write_text("")
-    (root.parent / "pristine" / "sglang" / "test" / "__init__.py").write_text("")
+    for package in (pristine, pristine / "test", root / "tests", root / "tests" / "cpu"):
+        (package / "__init__.py").write_text("")
     (root / "README.md").write_text("readme\n")
     (root / "sglang.pin").write_text("pin\n")
-    (root / "tests" / "__init__.py").write_text("")
-    (root / "tests" / "cpu" / "__init__.py").write_text("")
     (root / "tests" / "cpu" / "conftest.py").write_text(
         "def pytest_configure(config):\n"
         "    config.addinivalue_line('markers', 'project_files: x')\n"
@@ -148,7 +123,6 @@ def planted_project(root: Path) -> Path:
 
 
 def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
-    """tests/support/cpu_tier.py's main, for the project at ``root``."""
     code = ("import sys; from pathlib import Path; from tests.support import cpu_tier as t; "
             "sys.exit(t.main(sys.argv[2:], Path(sys.argv[1])))")
     return subprocess.run([sys.executable, "-c", code, str(root), *args], cwd=ROOT, capture_output=True, text=True,
@@ -156,12 +130,8 @@ def run_tier(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_what_fails_in_the_image_fails_in_the_image_part(tmp_path):
-    """The classes of defect real builds found (bench/ not copied; README.md and docs/runs
-    read by tests the image runs; a test that relied on PYTHONPATH choosing the SGLang it
-    imports, where the image's SGLang imports through setuptools' import finder): the
-    image part of `make test` fails such a test, whether the test reads the file or a
-    program it starts does; a test marked project_files is left to the checkout part; the
-    same tests pass in the checkout. A failing install step fails the part."""
+    """Real builds' defects (a test reading a file not copied, itself or through a program; one
+    relying on PYTHONPATH to pick its SGLang) fail the image part, as a failing install step does."""
     root = planted_project(tmp_path / "project")
     in_checkout = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cpu"],
                                  cwd=root, capture_output=True, text=True)
@@ -229,13 +199,12 @@ def test_base_requirements_and_pyproject(tmp_path):
     assert reqs.stdout.splitlines() == ["aiohttp", "outlines==0.1.11", "cuda-tile==1.6.0rc5", 'tomli; python_version < "3.11"']
     import tomllib
     project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
-    assert project["project"]["name"] == "sglang" and project["project"]["version"] == "0.5.20"
-    assert project["project"]["requires-python"] == ">=3.10"
+    assert (project["project"]["name"], project["project"]["version"], project["project"]["requires-python"]) == \
+        ("sglang", "0.5.20", ">=3.10")
     assert project["project"]["dependencies"] == reqs.stdout.splitlines()
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["sglang", "sglang.*"]
     assert "scripts" not in project["project"]
-    # The wheel's commands (`sglang serve`, SGLang 0.5.20's entry point): from the
-    # entry_points.txt beside METADATA, so that the editable install makes them too.
+    # the wheel's commands (`sglang serve`) from the entry_points.txt beside METADATA: the editable install makes them
     (tmp_path / "entry_points.txt").write_text("[console_scripts]\nsglang = sglang.cli.main:main\n"
                                                "killall_sglang = sglang.cli.killall:main\n\n[x.plugins]\nA = b:c\n")
     project = tomllib.loads(base_wheels("pyproject", str(tmp_path / "METADATA")).stdout)
@@ -244,42 +213,35 @@ def test_base_requirements_and_pyproject(tmp_path):
 
 
 def test_base_platform_args():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("base_wheels", BASE_WHEELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    platform_args, UsageError = module.platform_args, module.UsageError
-    args = platform_args("2.41")
+    args = base_wheels("platform-args", "2.41").stdout.split()
     tags = args[1::2]
     assert args[0::2] == ["--platform"] * len(tags)
     assert tags[0] == "manylinux_2_41_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux_2_5_x86_64" in tags
     assert "manylinux_2_42_x86_64" not in tags and len(tags) == len(set(tags)) == 37 + 3
     assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
-    for bad in ("2.16", "3.1", "2", "2.x"):
-        with pytest.raises(UsageError):
-            platform_args(bad)
+    assert [base_wheels("platform-args", bad).returncode for bad in ("2.16", "3.1", "2", "2.x")] == [2] * 4
 
 
 def test_base_drops_what_cannot_resolve(tmp_path):
     reqs = ["aiohttp", "outlines==0.1.11", "cuda-tile==1.6.0rc5"]
     (tmp_path / "reqs").write_text("\n".join(reqs) + "\n")
-    direct = ("ERROR: Could not find a version that satisfies the requirement cuda-tile==1.6.0rc5 (from versions: 1.6.0)\n"
-              "ERROR: No matching distribution found for cuda-tile==1.6.0rc5\n")
-    (tmp_path / "log").write_text(direct)
-    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    drop = lambda: base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    (tmp_path / "log").write_text(
+        "ERROR: Could not find a version that satisfies the requirement cuda-tile==1.6.0rc5 (from versions: 1.6.0)\n"
+        "ERROR: No matching distribution found for cuda-tile==1.6.0rc5\n")
+    out = drop()
     assert out.returncode == 0 and out.stdout == "cuda-tile\n"
     assert (tmp_path / "reqs").read_text() == "aiohttp\noutlines==0.1.11\n"
-    # Not a requirement itself: the one that pulled it in goes.
+    # not a requirement itself: the one that pulled it in goes
     pulled = ("ERROR: Could not find a version that satisfies the requirement outlines_core==0.1.26 (from outlines) "
               "(from versions: 0.2.9)\nERROR: No matching distribution found for outlines_core==0.1.26\n")
     (tmp_path / "log").write_text(pulled)
-    out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
+    out = drop()
     assert out.stdout == "outlines\n" and (tmp_path / "reqs").read_text() == "aiohttp\n"
-    # Nothing to drop: an error, the file untouched.
+    # nothing to drop: an error, the file untouched
     for log in (pulled, "ERROR: network down\n"):
         (tmp_path / "log").write_text(log)
-        out = base_wheels("drop-unresolvable", str(tmp_path / "log"), str(tmp_path / "reqs"))
-        assert out.returncode == 2 and (tmp_path / "reqs").read_text() == "aiohttp\n"
+        assert drop().returncode == 2 and (tmp_path / "reqs").read_text() == "aiohttp\n"
 
 
 # ci/image/engine.sh: the engine `make image` and the image scripts use, and its fixes.
@@ -302,8 +264,7 @@ esac
 
 
 def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[str, str]:
-    """A PATH with a podman whose runtime is ``runtime``, cgroups as ``cgroup`` says and
-    runc installed or not; nothing else of the host's container tools."""
+    """A PATH of basic tools, a podman on ``runtime``, cgroups as ``cgroup`` says, runc or not."""
     bin_dir = tmp_path / f"bin-{runtime}-{cgroup}-{runc}"
     bin_dir.mkdir()
     for tool in ("cat", "grep", "head", "basename", "dirname", "sed", "bash"):
@@ -316,7 +277,7 @@ def engine_host(tmp_path: Path, runtime: str, cgroup: str, runc: bool) -> dict[s
 
 
 def sourced(env: dict[str, str]) -> list[str]:
-    """engine_cmd and run_flags as a script that sources engine.sh sees them."""
+    """engine_cmd, run_flags and engine_error as a script that sources engine.sh sees them."""
     proc = subprocess.run(["/bin/bash", "-c", f'. {ENGINE}; echo "${{engine_cmd[*]}}"; echo "$run_flags"; '
                            'echo "$engine_error"'], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -327,25 +288,21 @@ def sourced(env: dict[str, str]) -> list[str]:
     ("crun", "hybrid", True, "podman --runtime runc"),   # crun refuses hybrid cgroups: runc instead
     ("crun", "v2", True, "podman"),                      # crun works on cgroups v2: kept
     ("runc", "hybrid", True, "podman"),
+    ("crun", "hybrid", False, None),                     # no runc: refused before a build
 ])
 def test_podman_runs_with_a_runtime_that_works_on_the_host(tmp_path, runtime, cgroup, runc, command):
     env = engine_host(tmp_path, runtime, cgroup, runc)
-    assert sourced(env)[0] == command
     check = subprocess.run([str(ENGINE), "check"], env=env, capture_output=True, text=True)
+    if command is None:
+        assert check.returncode == 2 and check.stdout == "" and sourced(env)[2]
+        return
+    assert sourced(env)[0] == command
     assert check.returncode == 0 and check.stdout.startswith("podman: podman version 9.9.9, runtime ")
     assert ("runtime runc" in check.stdout) is (command != "podman" or runtime == "runc")
 
 
-def test_crun_on_hybrid_cgroups_without_runc_is_refused_before_a_build(tmp_path):
-    check = subprocess.run([str(ENGINE), "check"], env=engine_host(tmp_path, "crun", "hybrid", runc=False),
-                           capture_output=True, text=True)
-    assert check.returncode == 2 and check.stdout == ""
-
-
 def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
-    """As root, podman asks runc for open-file and process limits above what the host
-    allows (runc: "error setting rlimit type 7"): the scripts pass the host's hard limits,
-    processes no more than kernel.pid_max; IMAGE_RUN_FLAGS, even empty, replaces them."""
+    """Podman as root asks runc for more than the host allows ("error setting rlimit type 7")."""
     env = engine_host(tmp_path, "runc", "hybrid", runc=True)
     limits = subprocess.run(["/bin/bash", "-c", "ulimit -Hn; ulimit -Hu"], capture_output=True, text=True).stdout.split()
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
@@ -361,8 +318,7 @@ def test_containers_get_the_host_limits_unless_image_run_flags_is_set(tmp_path):
     ("Error: runc: ... error setting rlimit type 7: operation not permitted", "IMAGE_RUN_FLAGS"),
     ("Error: crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2", "install runc"),
     ("ERROR: No matching distribution found for kvcached==0.1.6", None),
-    # The base unknown (docker's and podman's words; out of reach: `make image` below), docker's
-    # daemon gone: the way out named is the stand-in base.
+    # the base unknown (docker's and podman's words), docker's daemon gone: the stand-in base named
     ("ERROR: failed to solve: a/b:c: failed to resolve source metadata for docker.io/a/b:c: docker.io/a/b:c: not found",
      "localhost/sglang-standin"),
     ("pull access denied for a/b, repository does not exist or may require 'docker login'", "localhost/sglang-standin"),
@@ -384,11 +340,9 @@ def test_a_failed_build_says_what_to_change_when_the_cause_is_known(tmp_path, lo
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hint: ") and hint in proc.stderr
 
 
-# `make image` with a container engine on PATH that plays the parts the base depends on:
-# docker's daemon (FAKE_DAEMON=down: `docker info` fails), podman's name resolution (as
-# Debian's podman: no unqualified-search registries, so a name without its registry
-# fails) and the registry (FAKE_REGISTRY=unreachable: its host does not resolve). A build
-# that gets past FROM succeeds at once; each build is recorded in FAKE_ENGINE_LOG.
+# `make image` with a fake engine first on PATH: docker's daemon (FAKE_DAEMON=down), podman's
+# names (as Debian's: none without its registry) and the registry (FAKE_REGISTRY=unreachable);
+# a build that gets past FROM succeeds at once; each build's base goes to FAKE_ENGINE_LOG.
 FAKE_ENGINE = r"""#!/bin/bash
 engine=$(basename "$0")
 case "$1" in
@@ -421,50 +375,30 @@ esac
 """
 
 
-def make_image(tmp_path: Path, engine: str, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """`make image` with the fake ``engine`` first on PATH: its result, and the bases built from."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
+@pytest.mark.parametrize("engine, base, env, cause", [
+    ("docker", None, {}, None),
+    ("podman", None, {}, None),          # named with its registry: Debian's podman finds it as docker does
+    ("docker", None, {"FAKE_DAEMON": "down"}, "daemon"),
+    ("podman", "lmsysorg/sglang:v0.5.20-cu130", {}, "cannot be resolved"),   # a short name
+    ("podman", None, {"FAKE_REGISTRY": "unreachable"}, "cannot be reached"),
+    ("docker", None, {"FAKE_REGISTRY": "unreachable"}, "cannot be reached"),
+])
+def test_make_image_builds_from_the_pinned_base_or_names_the_stand_in(tmp_path, engine, base, env, cause):
+    bin_dir, log = tmp_path / "bin", tmp_path / "builds"
+    bin_dir.mkdir()
     (bin_dir / engine).write_text(FAKE_ENGINE)
     (bin_dir / engine).chmod(0o755)
-    log = tmp_path / "builds"
     log.touch()
     proc = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "image", f"CONTAINER_ENGINE={engine}",
-                           f"IMAGE_LOG={tmp_path / 'image-build.log'}", *args], capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ENGINE_LOG": str(log),
-                               **env})
-    return proc, log.read_text().splitlines()
-
-
-def answers(proc: subprocess.CompletedProcess) -> list[str]:
-    """What `make image` said on stderr, make's own closing line aside ("make[1]: ***" under
-    `make test`, where this test runs in a make of its own)."""
-    return [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", line)]
-
-
-@pytest.mark.parametrize("engine", ["docker", "podman"])
-def test_the_default_base_resolves_with_docker_and_with_podman(tmp_path, engine):
-    """Named with its registry: Debian's podman, which has no registry for short names,
-    finds it as docker does."""
-    proc, built = make_image(tmp_path, engine)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert built == [f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"]
-
-
-def test_a_docker_without_its_daemon_is_one_line_naming_the_stand_in_base(tmp_path):
-    proc, built = make_image(tmp_path, "docker", FAKE_DAEMON="down")
-    assert proc.returncode != 0 and built == []
-    (line,) = answers(proc)
-    assert "daemon" in line and "localhost/sglang-standin" in line
-
-
-@pytest.mark.parametrize("engine, base, registry", [
-    ("podman", "lmsysorg/sglang:v0.5.20-cu130", "up"),          # a short name: podman cannot resolve it
-    ("podman", None, "unreachable"),
-    ("docker", None, "unreachable"),
-])
-def test_a_base_out_of_reach_is_one_line_naming_the_stand_in_base(tmp_path, engine, base, registry):
-    proc, built = make_image(tmp_path, engine, *([f"IMAGE_BASE={base}"] if base else []), FAKE_REGISTRY=registry)
-    assert proc.returncode != 0 and len(built) == 1
-    hints = [line for line in answers(proc) if line.startswith("hint: ")]
-    assert len(hints) == 1 and "localhost/sglang-standin" in hints[0], proc.stderr
+                           f"IMAGE_LOG={tmp_path / 'image-build.log'}", *([f"IMAGE_BASE={base}"] if base else [])],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ENGINE_LOG": str(log), **env})
+    built = log.read_text().splitlines()
+    if cause is None:
+        assert proc.returncode == 0 and built == [f"{PIN['SGLANG_IMAGE']}@{PIN['SGLANG_IMAGE_DIGEST']}"], proc.stderr
+        return
+    assert proc.returncode != 0 and len(built) == (cause != "daemon")
+    # what it said, make's own closing line aside ("make[1]: ***" under `make test`)
+    said = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", line)
+            and (cause == "daemon" or line.startswith("hint: "))]
+    assert len(said) == 1 and cause in said[0] and "localhost/sglang-standin" in said[0], proc.stderr

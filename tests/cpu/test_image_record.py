@@ -15,9 +15,9 @@ RECORD = ROOT / "ci" / "image" / "record.py"
 pytestmark = pytest.mark.project_files
 
 
-def run(*args, path=None):
+def run(*args, path=None, stdin=None):
     env = dict(os.environ, PATH=f"{path}{os.pathsep}{os.environ['PATH']}" if path else os.environ["PATH"])
-    return subprocess.run([sys.executable, str(RECORD), *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, str(RECORD), *args], input=stdin, capture_output=True, text=True, env=env)
 
 
 def fake_engine(tmp_path):
@@ -45,9 +45,8 @@ def stamped_log(tmp_path, tier="457 passed in 300.1s"):
 
 
 def test_a_build_is_recorded_with_its_steps_and_series_and_checked(tmp_path):
-    out = tmp_path / "record.json"
-    proc = run("write", "--log", str(stamped_log(tmp_path)), "--tag", "t:1", "--out", str(out),
-               path=fake_engine(tmp_path))
+    out, engine = tmp_path / "record.json", fake_engine(tmp_path)
+    proc = run("write", "--log", str(stamped_log(tmp_path)), "--tag", "t:1", "--out", str(out), path=engine)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     assert [(s["step"], s["seconds"]) for s in record["steps"]] == [(1, 2.5), (2, 60.0), (3, 348.0)]
@@ -60,18 +59,14 @@ def test_a_build_is_recorded_with_its_steps_and_series_and_checked(tmp_path):
     out.write_text(json.dumps(record))
     proc = run("check", str(out))
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
-
-
-def test_an_unfinished_build_is_not_recorded(tmp_path):
-    out = tmp_path / "record.json"
+    # a build whose tier failed is not recorded
+    unfinished = tmp_path / "unfinished.json"
     proc = run("write", "--log", str(stamped_log(tmp_path, tier="error: tier failed")), "--tag", "t:1",
-               "--out", str(out), path=fake_engine(tmp_path))
-    assert proc.returncode == 2 and not out.exists()
+               "--out", str(unfinished), path=engine)
+    assert proc.returncode == 2 and not unfinished.exists()
 
 
 def test_the_stamp_prefixes_elapsed_seconds():
-    proc = subprocess.run([sys.executable, str(RECORD), "stamp"], input="a\nSTEP 1/2: FROM x\n",
-                          capture_output=True, text=True)
-    assert proc.returncode == 0
+    proc = run("stamp", stdin="a\nSTEP 1/2: FROM x\n")
+    assert proc.returncode == 0 and all(line.startswith("[+") for line in proc.stdout.splitlines())
     assert [line.split("] ", 1)[1] for line in proc.stdout.splitlines()] == ["a", "STEP 1/2: FROM x"]
-    assert all(line.startswith("[+") for line in proc.stdout.splitlines())

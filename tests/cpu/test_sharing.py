@@ -1,10 +1,9 @@
-"""`make bench-sharing` (harness/sharing) on the CPU: the whole tool through stand-in servers
-(harness/fakes/sharing_server.py) on a tiny plan, the correctness sample catching a wrong
-answer, the report's numbers from a planted journal, and the budget arithmetic that makes
-the variants' memory equal. What it finds on a GPU is in results/; its options and
-messages are not pinned here."""
+"""`make bench-sharing` (harness/sharing): the whole tool through stand-in servers on a tiny
+plan, its sample catching a wrong answer, the report's numbers from a planted journal, and
+the budget arithmetic that gives the variants equal memory."""
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -22,7 +21,7 @@ B, D = P.BASELINE, P.PRODUCT
 # kvcached page); a 64 MiB budget: a static share of 2,048 tokens under a working set of
 # 2,688; the sample's prefixes (1,536 tokens) over kvcached's cap (1,024): they come back from host
 TINY = {"models": ["qwen2-tiny", "qwen2-tiny"], "variants": [B, D], "rounds": 2, "phases": ["bursts", "even"],
-        "even_rounds": 2, "phase_s": 1.5, "drain_s": 10, "windows": 2, "burst_rate": 12, "idle_rate": 2,
+        "even_rounds": 2, "phase_s": 1.0, "drain_s": 10, "windows": 2, "burst_rate": 12, "idle_rate": 2,
         "wave_rate": 12, "even_rate": 6, "kv_budget_gib": 0.0625, "host_gb": 0.1, "groups": 4, "prefix_tokens": 512,
         "conversations": 2, "turns": 2, "user_tokens": 32, "reply_tokens": 16, "max_new_tokens": 4,
         "sample_groups": 3, "sample_prefix_tokens": 512, "sample_questions": 2, "sample_question_tokens": 32,
@@ -31,7 +30,6 @@ FREE, TOTAL = 8_000_000_000, 10_000_000_000      # the stand-in GPU the ballast 
 
 
 def run_tool(folder: Path, plan: dict, monkeypatch, **env) -> tuple[int, Path]:
-    """The tool, in this process as on a GPU machine, against stand-in servers."""
     for name in ("pristine", "patched"):
         fakes.fake_tree(folder / name, "sharing_server", patched=name == "patched")
     shm = folder / "shm"
@@ -55,7 +53,7 @@ def run_tool(folder: Path, plan: dict, monkeypatch, **env) -> tuple[int, Path]:
 # ---------------------------------------------------------------- the whole tool
 
 def test_a_tiny_run_journals_every_request_and_reports_equal_budgets(tmp_path, monkeypatch):
-    code, out = run_tool(tmp_path, TINY, monkeypatch, FAKE_RETRACT_EVERY="7")   # about 15 s
+    code, out = run_tool(tmp_path, TINY, monkeypatch, FAKE_RETRACT_EVERY="7")
     rep, events = json.loads((out / "report.json").read_text()), read_journal(out / "journal.jsonl")
     assert code == 0, rep["problems"]
     assert rep["problems"] == [] and rep["complete"]
@@ -73,23 +71,20 @@ def test_a_tiny_run_journals_every_request_and_reports_equal_budgets(tmp_path, m
         arrivals.setdefault((e["round"], e["variant"]), []).append((e["phase"], e["model"], e["sched"], e["key"]))
     assert len(arrivals) == 4 and len({tuple(sorted(a)) for a in arrivals.values()}) == 1
     # both models in both phases, and the counts add up to the report's
-    for phase in ("bursts", "even"):
-        for v in (B, D):
-            for r in (0, 1):
-                got = rep["phases"][phase][v]["rounds"][r]
-                mine = [e for e in load if (e["round"], e["variant"], e["phase"]) == (r, v, phase)]
-                assert got["total"]["answered"] == len(mine) > 0
-                assert {m for m in got["models"] if got["models"][m]["answered"]} == {"qwen2-tiny-1", "qwen2-tiny-2"}
+    for phase, v, r in itertools.product(("bursts", "even"), (B, D), (0, 1)):
+        got = rep["phases"][phase][v]["rounds"][r]
+        mine = [e for e in load if (e["round"], e["variant"], e["phase"]) == (r, v, phase)]
+        assert got["total"]["answered"] == len(mine) > 0
+        assert {m for m in got["models"] if got["models"][m]["answered"]} == {"qwen2-tiny-1", "qwen2-tiny-2"}
     # the servers got the planned pools; (b) and (d) the same host memory
-    budgets = P.budgets(P.plan_from(P.PRESETS["two-mha"], TINY))
-    for label, s in rep["servers"].items():
-        assert s["pool_tokens"] == budgets[(s["variant"], s["model"])].device_tokens
-        assert s["cached_cap"] == budgets[(s["variant"], s["model"])].cached_tokens
+    plan = P.plan_from(P.PRESETS["two-mha"], TINY)
+    planned = {(v, label): (b.device_tokens, b.cached_tokens) for (v, label), b in P.budgets(plan).items()}
+    assert all((s["pool_tokens"], s["cached_cap"]) == planned[(s["variant"], s["model"])] for s in rep["servers"].values())
     assert {s["host_gb"] for s in rep["servers"].values()} == {TINY["host_gb"]}
     # a kvcached slot's ballast leaves the pools exactly the budget
     held = [e for e in events if e["type"] == "ballast"]
     assert [e["variant"] for e in held] == [D, D]
-    assert all(e["left_for_kv"] + e["mapped"] == P.plan_from(P.PRESETS["two-mha"], TINY).budget_bytes for e in held)
+    assert all(e["left_for_kv"] + e["mapped"] == plan.budget_bytes for e in held)
     assert all(e["headroom"] == 500_000_000 and e["left_for_kv"] == FREE - e["held"] - 500_000_000 for e in held)
     # (d) answered the sample as the native reference did, some of it from host
     c = rep["correctness"]
@@ -105,13 +100,10 @@ def test_a_tiny_run_journals_every_request_and_reports_equal_budgets(tmp_path, m
 
 
 def test_a_wrong_answer_from_host_fails_the_run(tmp_path, monkeypatch):
-    plan = {**TINY, "rounds": 1, "phases": ["even"], "phase_s": 1.0, "warmup_s": 0}
+    plan = {**TINY, "rounds": 1, "phases": ["even"], "warmup_s": 0}
     code, out = run_tool(tmp_path, plan, monkeypatch, FAKE_WRONG_ON=f"_{D}_qwen2-tiny-2")
-    rep = json.loads((out / "report.json").read_text())
-    assert code == 1
-    c = rep["correctness"]
-    assert c["verdict"] == "MISMATCH"
-    assert {m["model"] for m in c["mismatches"]} == {"qwen2-tiny-2"}
+    c = json.loads((out / "report.json").read_text())["correctness"]
+    assert code == 1 and c["verdict"] == "MISMATCH" and {m["model"] for m in c["mismatches"]} == {"qwen2-tiny-2"}
     assert all(m["host"] > 0 for m in c["mismatches"]) and c["matched"] == c["checked"] - len(c["mismatches"])
 
 
@@ -135,14 +127,11 @@ def planted_events() -> list[dict]:
     m1, m2 = plan.labels
     config = run.config_of(plan, type("O", (), {"preset": "two-mha", "gpu": "0"})(), [], {})
     ev = [{"type": "run", "config": config}]
-    for v in (B, D):
-        for label in plan.labels:
-            ev.append({"type": "server", "label": f"{v}/{label}", "variant": v, "model": label, "event": "ready",
-                       "pool_tokens": P.budgets(plan)[(v, label)].device_tokens,
-                       "planned_tokens": P.budgets(plan)[(v, label)].device_tokens, "host_gb": 0.1,
-                       "cached_cap": P.budgets(plan)[(v, label)].cached_tokens,
-                       "planned_cached_tokens": P.budgets(plan)[(v, label)].cached_tokens,
-                       "kvcached_lines": ["x"] if v == D else [], "weights_redrawn": [7]})
+    for (v, label), b in P.budgets(plan).items():
+        ev.append({"type": "server", "label": f"{v}/{label}", "variant": v, "model": label, "event": "ready",
+                   "pool_tokens": b.device_tokens, "planned_tokens": b.device_tokens, "host_gb": 0.1,
+                   "cached_cap": b.cached_tokens, "planned_cached_tokens": b.cached_tokens,
+                   "kvcached_lines": ["x"] if v == D else [], "weights_redrawn": [7]})
     # round 1, (b), bursts: m1 four answers and an error, m2 two answers; 2 s
     ev += [request(0, B, "bursts", m1, 0.1, (10, 20), device=64), request(0, B, "bursts", m1, 0.2, (30,), host=128),
            request(0, B, "bursts", m1, 0.3), request(0, B, "bursts", m1, 0.4, (40,), retractions=1),

@@ -3,14 +3,12 @@
 A stage with start_layer > 0 holds layers [start, end) in pools built for its local
 layers (tests/support/pp_stages.py). Its host pools come from SGLang's builders, over a
 ServerArgs parsed from flags, with the layer mapping SGLang's strategies pass; trips go
-through HybridCacheController as in test_controller.py (kernels emulated, strided views
-rebuilt from kvcached's geometry). --hicache-size is synced over the PP group by
-SGLang's sync_fixed_hicache_size, run here over a real two-rank gloo group.
+through HybridCacheController as in test_controller.py. --hicache-size is synced by
+SGLang's sync_fixed_hicache_size over a real two-rank gloo group.
 
 Hybrid Mamba stacks under PP lose layers on load in SGLang 0.5.20 itself, on its own
-dense pools: the maps are keyed by global layer ids, the controller walks local ones.
-The elastic pools must do exactly what native ones do there, byte for byte; the test
-also pins what native SGLang does (see docs/l3-and-pp.md).
+dense pools; the elastic pools must do exactly what native ones do there, byte for
+byte, and the test pins what native SGLang does (docs/l3-and-pp.md).
 """
 from __future__ import annotations
 
@@ -32,12 +30,14 @@ PAGE = 16
 DEVICE_PAGES = 16       # 6 hold the originals, 10 are load targets
 DATA_PAGES = 6
 TRIPS = 4
+PAGES = list(range(1, DEVICE_PAGES + 1))
 LAYOUTS = ("native", "kvcached-contiguous", "kvcached-per-layer")
+MODELS = {"MHA": QWEN25_7B, "MLA": DEEPSEEK_V2_LITE}
 
 
 @pytest.fixture
 def controller_env(host_modules, monkeypatch):
-    """The controller on CPU (as in test_controller.py); the published config is reset after."""
+    """The controller on CPU; the published config is reset after."""
     from sglang.srt.runtime_context import reset_context
 
     ctl.run_on_cpu(monkeypatch)
@@ -46,15 +46,11 @@ def controller_env(host_modules, monkeypatch):
 
 
 def stage_kv_pool(kind, layout, start, end):
-    size = DEVICE_PAGES * PAGE
+    s, shape = MODELS[kind], dict(size=DEVICE_PAGES * PAGE, page_size=PAGE, layers=end - start)
     if kind == "MLA":
-        s = DEEPSEEK_V2_LITE
-        pool = mla_pool(layout, size=size, page_size=PAGE, layers=end - start, kv_lora_rank=s.kv_lora_rank,
-                        qk_rope_head_dim=s.qk_rope_head_dim)
+        pool = mla_pool(layout, **shape, kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.qk_rope_head_dim)
     else:
-        s = QWEN25_7B
-        pool = mha_pool(layout, size=size, page_size=PAGE, layers=end - start, heads=s.kv_heads,
-                        head_dim=s.head_dim)
+        pool = mha_pool(layout, **shape, heads=s.kv_heads, head_dim=s.head_dim)
     pool.register_layer_transfer_counter = lambda counter: None
     return pp.as_stage(pool, start, end)
 
@@ -64,15 +60,13 @@ def stage_kv_pool(kind, layout, start, end):
 def test_last_stage_round_trips(controller_env, kind, layout):
     """The last of two stages (start_layer > 0): host pools mirror its layers, and backups
     and loads through the controller are byte-exact, with SGLang's defaults."""
-    num_layers = (DEEPSEEK_V2_LITE if kind == "MLA" else QWEN25_7B).layers
-    start, end = pp.stage_layers(num_layers, pp_rank=1, pp_size=2)
+    start, end = pp.stage_layers(MODELS[kind].layers, pp_rank=1, pp_size=2)
     assert start > 0
     ctl.publish_server_args("--pipeline-parallel-size", "2")
     rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
     kv = stage_kv_pool(kind, layout, start, end)
-    pages = list(range(1, DEVICE_PAGES + 1))
-    params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
+    params = ctl.cache_init_params(kv, PageAllocator(kv, PAGES[DATA_PAGES:], PAGE, "cpu", rng))
     # _PlainKvStrategy's mapping: the pool's local layers, {i: i}.
     group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA", full_layers=range(kv.layer_num))
     host = group.anchor_entry.host_pool
@@ -81,10 +75,10 @@ def test_last_stage_round_trips(controller_env, kind, layout):
     views = kv.kv_buffer if kind == "MLA" else [*kv.k_buffer, *kv.v_buffer]
     assert any(not view.is_contiguous() for view in views) == (layout == "kvcached-contiguous")
     families = (mla_families if kind == "MLA" else mha_families)(kv, host)
-    fill_random(families, pages_to_rows(pages, PAGE), generator)
+    fill_random(families, pages_to_rows(PAGES, PAGE), generator)
     poison(host.kv_buffer, generator)
-    ctl.ControllerRoundTrip(controller, group, families, [], page_size=PAGE, data_pages=pages[:DATA_PAGES],
-                            scratch_pages=pages[DATA_PAGES:], device="cpu").run(TRIPS)
+    ctl.ControllerRoundTrip(controller, group, families, [], page_size=PAGE, data_pages=PAGES[:DATA_PAGES],
+                            scratch_pages=PAGES[DATA_PAGES:], device="cpu").run(TRIPS)
 
 
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
@@ -94,7 +88,7 @@ def test_fixed_hicache_size_is_the_minimum_over_the_pp_group(controller_env, mon
     stage of the group the smallest. Stages of 11 and 17 (MHA) / 11 and 16 (MLA) layers."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
 
-    num_layers = (DEEPSEEK_V2_LITE if kind == "MLA" else QWEN25_7B).layers
+    num_layers = MODELS[kind].layers
     monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", f"11,{num_layers - 11}")
     ctl.publish_server_args("--pipeline-parallel-size", "2", "--hicache-size", "1")
     stages = [pp.stage_layers(num_layers, rank, 2) for rank in range(2)]
@@ -112,8 +106,8 @@ def test_fixed_hicache_size_is_the_minimum_over_the_pp_group(controller_env, mon
     assert synced == {0: alone[1], 1: alone[1]}
 
 
-# Qwen3.5-4B's layer pattern (full attention every 4th layer) over 16 layers, two stages
-# of 8; a smaller GDN state so that the emulated copies stay fast.
+# Qwen3.5-4B's layer pattern (full attention every 4th layer) over 16 layers, in stages of 4
+# and 12 (hybrid_stages); a smaller GDN state so that the emulated copies stay fast.
 HYBRID_LAYERS = 16
 HYBRID_FULL = [l for l in range(HYBRID_LAYERS) if l % QWEN35_4B.full_attention_interval == 3]
 HYBRID_LINEAR = [l for l in range(HYBRID_LAYERS) if l not in HYBRID_FULL]
@@ -138,8 +132,7 @@ def hybrid_stage_trip(layout, start, end):
     kv.register_layer_transfer_counter = lambda counter: None
     mamba = mamba_pool(layout, slots=4, layers=len(mamba_map), conv_shapes=GDN_CONV, temporal_shape=GDN_SSM,
                        page_bytes=64 << 10)
-    pages = list(range(1, DEVICE_PAGES + 1))
-    params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng),
+    params = ctl.cache_init_params(kv, PageAllocator(kv, PAGES[DATA_PAGES:], PAGE, "cpu", rng),
                                    SlotAllocator([3, 4], "cpu", rng))
     group, controller = asm.build_hybrid_mamba_stack(
         params=params, kv_pool=kv, mamba_pool=mamba, full_layer_mapping=full_map, mamba_layer_mapping=mamba_map,
@@ -147,9 +140,9 @@ def hybrid_stage_trip(layout, start, end):
     assert controller.layer_num == end - start
     kv_families = mha_families(kv, group.anchor_entry.host_pool)
     state_families = mamba_families(mamba, group.get_entry(PoolName.MAMBA).host_pool)
-    fill_random(kv_families, pages_to_rows(pages, PAGE), generator)
+    fill_random(kv_families, pages_to_rows(PAGES, PAGE), generator)
     fill_random(state_families, torch.tensor([1, 2, 3, 4]), generator)
-    src, slot = pages_to_rows(pages[:2], PAGE), torch.tensor([1])
+    src, slot = pages_to_rows(PAGES[:2], PAGE), torch.tensor([1])
 
     def rows_of(families, rows):
         return [[as_bytes(view[rows]).clone() for view in family.device] for family in families]
@@ -174,13 +167,9 @@ def hybrid_stage_trip(layout, start, end):
     return ok, loaded, [full_map] * 2 + [mamba_map] * len(state_families)
 
 
-# Stages of 4 and 12 layers: the second holds layers [4, 16).
-HYBRID_PARTITION = "4,12"
-
-
 @pytest.fixture
 def hybrid_stages(controller_env, monkeypatch):
-    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", HYBRID_PARTITION)
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "4,12")  # the second stage holds layers [4, 16)
     ctl.publish_server_args("--pipeline-parallel-size", "2")
     return [pp.stage_layers(HYBRID_LAYERS, rank, 2) for rank in range(2)]
 
@@ -204,10 +193,7 @@ def test_hybrid_later_stage_loads_what_native_sglang_loads(hybrid_stages):
     for layout in LAYOUTS[1:]:
         ok, rows, _ = hybrid_stage_trip(layout, start, end)
         assert ok == native_ok, f"{layout}: other layers load than natively"
-        for family_rows, family_native in zip(rows, native_rows):
-            for got, want in zip(family_rows, family_native):
-                assert torch.equal(got, want), f"{layout}: loaded bytes differ from native"
-    transfer_layers = end - start
-    pinned = [[global_id < transfer_layers for global_id in layer_map] for layer_map in maps]
-    assert native_ok == pinned
+        assert all(torch.equal(got, want) for family_rows, family_native in zip(rows, native_rows)
+                   for got, want in zip(family_rows, family_native)), f"{layout}: loaded bytes differ from native"
+    assert native_ok == [[global_id < end - start for global_id in layer_map] for layer_map in maps]
     assert not all(all(layers) for layers in native_ok)  # SGLang 0.5.20 drops layers here

@@ -14,18 +14,14 @@ from docker.utils.build import exclude_paths
 from docker.utils.fnmatch import fnmatchcase
 
 
-def ignore_patterns(text: str) -> list[str]:
-    """.dockerignore's patterns as docker.api.build reads the file."""
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-
-
 def context_files(root: Path, ignore_text: str | None = None) -> set[str]:
     """Every file (relative, '/'-separated) an engine sends from ``root`` (a link as the link)."""
     if ignore_text is None:
         ignore = root / ".dockerignore"
         ignore_text = ignore.read_text() if ignore.exists() else ""
-    return {p for p in exclude_paths(str(root), ignore_patterns(ignore_text))
-            if (root / p).is_symlink() or not (root / p).is_dir()}
+    patterns = [line.strip() for line in ignore_text.splitlines()  # as docker.api.build reads the file
+                if line.strip() and not line.strip().startswith("#")]
+    return {p for p in exclude_paths(str(root), patterns) if (root / p).is_symlink() or not (root / p).is_dir()}
 
 
 def copies(dockerfile_text: str, context_only: bool = True) -> list[dockerfile.Command]:

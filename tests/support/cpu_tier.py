@@ -1,38 +1,31 @@
-"""The CPU tier (`make test`) in two parts that together run every test once, the first
-where and as the image's build runs it:
+"""The CPU tier (`make test`): every test once, the image's own where and as the image's build runs them.
 
     python -m tests.support.cpu_tier [--image-part] [PYTEST_ARGS...]
 
-1. the tests the image's build runs (`-m "not project_files and not l3_store"`, the
-   selection of scripts/install-into-python --run-cpu-tier), in a copy of the image's
-   project folder: the Dockerfile's COPY lines filled from the build context that
-   .dockerignore leaves (tests/support/build_context.py), in a temporary folder outside
-   any git checkout, as /opt/elastic-hicache is in the image; against SGLang installed
-   as the image's base installs it: a copy of the pristine tree (PRISTINE_SGLANG),
-   installed editable by pip, so that it imports through setuptools' import finder (a
-   .pth in site-packages), not PYTHONPATH, and patched there by the image's install step
-   (scripts/install-into-python, run from the copy, as the Dockerfile runs it);
-2. the rest (`project_files`, `l3_store`: checks of this project's own files, the
-   Mooncake tests), in the checkout, against the trees on the caller's PYTHONPATH, at
-   the same time as part 1 (much of it waits on stand-in servers and subprocesses, so
-   part 1 runs on two pytest-xdist workers), its output held back and shown after part 1's.
-Both run with OMP_NUM_THREADS=1 unless it is set (torch's threads would fight for the cores);
-the image's build, one part alone, leaves it unset.
+1. the image's tests (`-m "not project_files and not l3_store"`, the selection of
+   scripts/install-into-python --run-cpu-tier) in a copy of the image's project folder: the
+   Dockerfile's COPY lines filled from the build context .dockerignore leaves
+   (tests/support/build_context.py), in a temporary folder outside any git checkout, as
+   /opt/elastic-hicache is; against a copy of PRISTINE_SGLANG installed as the image's base
+   installs it (editable by pip: it imports through setuptools' import finder, not
+   PYTHONPATH) and patched there by scripts/install-into-python, run from the copy;
+2. meanwhile the rest (`project_files`, `l3_store`: checks of this project's own files, the
+   Mooncake tests), in the checkout, against the caller's PYTHONPATH; much of it waits on
+   stand-in servers. Its output is held back and shown after part 1's;
+3. then tests/upstream, in the checkout.
 
-So a test that reads a file the image lacks (README.md, docs/, the Makefile, git
-history) without being marked `project_files`, or that relies on PYTHONPATH choosing
-the SGLang it imports, fails in `make test` as it would in `make image`. `--image-part`
-runs part 1 only; test files or ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y)
-narrow either part to them.
-
-The SGLang trees are the caller's, as `make test` sets them: PRISTINE_SGLANG (part 1
-installs a copy of it; tests compare against it) and PYTHONPATH (part 2). The wheel scripts/fetch-wheel keeps in build/cache is shared
-with the checkout, so that it is downloaded once.
+So a test that reads a file the image lacks (README.md, docs/, the Makefile, git history)
+without being marked `project_files`, or that relies on PYTHONPATH choosing the SGLang it
+imports, fails in `make test` as it would in `make image`. `--image-part` runs part 1 only;
+test files or ids among PYTEST_ARGS (tests/cpu/test_x.py::test_y) narrow each part to them.
+All run with OMP_NUM_THREADS=1 unless it is set (main says why; the image's build, one part
+alone, leaves it unset). The wheel scripts/fetch-wheel keeps in build/cache is shared with
+the checkout, so that it is downloaded once.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+import runpy
 import shutil
 import signal
 import site
@@ -50,9 +43,8 @@ REST = ["-m", f"not ({SELECTION})", "tests/cpu"]
 UPSTREAM = ["tests/upstream"]  # the tests the series' upstream PRs carry, in SGLang's style
 CACHE = Path("build") / "cache"
 NOTHING_RAN = 5  # pytest's exit status when no test is selected
-# Part 1 is busy on the CPU and part 2 mostly waits on stand-in servers: part 1 runs its test
-# files on two pytest-xdist workers (a file's tests on one worker, so that a module's fixture
-# is built once).
+# Part 1 is busy on the CPU, part 2 mostly waits: part 1 runs on two pytest-xdist workers, a
+# file's tests on one (a module's fixture is built once).
 WORKERS = ["-n", "2", "--dist", "loadfile"]
 
 
@@ -87,19 +79,15 @@ def lay_out(into: Path, root: Path = ROOT) -> list[str]:
 
 
 def image_python(into: Path, pristine: Path) -> Path:
-    """A Python whose SGLang is a copy of ``pristine`` (a folder holding sglang/) laid out as
-    the image's /sgl-workspace/sglang/python and installed as its base installs it: editable,
-    by pip and setuptools, with the pyproject.toml the stand-in base writes
-    (ci/image/base_wheels.py), which setuptools serves through its import finder. Its other
-    packages are the running interpreter's (its site-packages, added by a .pth)."""
+    """A Python whose SGLang is a copy of ``pristine`` (a folder holding sglang/) at the image's
+    /sgl-workspace/sglang/python, installed editable with the pyproject.toml the stand-in base
+    writes (ci/image/base_wheels.py). Its other packages are this interpreter's (a .pth)."""
     project = into / "sgl-workspace" / "sglang" / "python"
     shutil.copytree(pristine / "sglang", project / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
-    spec = importlib.util.spec_from_file_location("base_wheels", ROOT / "ci" / "image" / "base_wheels.py")
-    base_wheels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base_wheels)
+    pyproject = runpy.run_path(str(ROOT / "ci" / "image" / "base_wheels.py"))["pyproject"]
     version = dict(line.split("=", 1) for line in (ROOT / "sglang.pin").read_text().splitlines()
                    if "=" in line and not line.startswith("#"))["SGLANG_VERSION"]
-    (project / "pyproject.toml").write_text(base_wheels.pyproject(f"Name: sglang\nVersion: {version}\n"))
+    (project / "pyproject.toml").write_text(pyproject(f"Name: sglang\nVersion: {version}\n"))
     env = into / "python"
     made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], capture_output=True, text=True)
     if made.returncode != 0:
@@ -120,9 +108,7 @@ def image_python(into: Path, pristine: Path) -> Path:
 
 
 def image_env() -> dict[str, str]:
-    """The caller's environment as the image's build step has it: no PYTHONPATH (SGLang
-    imports through its install), kvcached off (ENABLE_KVCACHED=false, as the Dockerfile
-    runs the step)."""
+    """The caller's environment as the Dockerfile's install step has it: no PYTHONPATH, kvcached off."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return dict(env, ENABLE_KVCACHED="false")
 
@@ -140,7 +126,8 @@ def _share(src: Path, dst: Path) -> None:
                 shutil.copy2(path, dst / path.name)
 
 
-def pytest_command(args: list[str], part: list[str], cwd: Path, python: Path | str = sys.executable) -> list[str] | None:
+def pytest_command(args: list[str], part: list[str], cwd: Path,
+                   python: Path | str = sys.executable) -> list[str] | None:
     """pytest over ``part`` (its -m selection and folders), or, where ``args`` name test files
     or ids (tests/cpu/test_x.py::test_y), over those of them in the part's folders; None
     where the part has none of them."""
@@ -173,9 +160,7 @@ def pristine_tree() -> Path:
 
 
 def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
-    """Part 1: lay out the image's folder in a temporary one, install SGLang as the image's
-    base does, run the image's install step and then its tests there with ``pytest_args``
-    added, remove the folder; pytest's exit status (or the install step's)."""
+    """Part 1, in a temporary folder removed after: pytest's exit status (or the install step's)."""
     pristine = pristine_tree()
     base = Path(tempfile.mkdtemp(prefix="image-tier-")).resolve()
     try:
@@ -195,8 +180,8 @@ def run_image_part(pytest_args: list[str], root: Path = ROOT) -> int:
         if step.returncode != 0:
             print("the image's install step failed (above)", file=sys.stderr)
             return step.returncode
-        status = pytest([*WORKERS, *pytest_args], IMAGE_TIER, work, dict(env, PYTHONPATH=str(work), PRISTINE_SGLANG=str(pristine)),
-                        python)
+        status = pytest([*WORKERS, *pytest_args], IMAGE_TIER, work,
+                        dict(env, PYTHONPATH=str(work), PRISTINE_SGLANG=str(pristine)), python)
         _share(work / CACHE, root / CACHE)
         return status
     finally:
@@ -208,13 +193,12 @@ def stop(proc: subprocess.Popen) -> None:
     for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the group is gone
-            break
-        try:
             proc.wait(wait)
             return
+        except ProcessLookupError:  # the group is gone
+            break
         except subprocess.TimeoutExpired:
-            continue
+            pass
     proc.wait()
 
 

@@ -1,15 +1,13 @@
 """Pipeline-parallel stages for the CPU tier: a stage's device pools and its PP group.
 
-A stage holds layers [start_layer, end_layer) of the model, as SGLang's
-get_pp_indices splits them. Its device pools are built for end_layer - start_layer
-layers, indexed locally, with the stage's start_layer and end_layer recorded (SGLang's
-KVCache attributes; kvcached's elastic pools forward both to it and allocate views for
-the local layers only, kvcached/integration/sglang/patches.py ElasticMHATokenToKVPool).
+A stage holds layers [start_layer, end_layer), as SGLang's get_pp_indices splits them, in
+device pools built for its layers, indexed locally, with both bounds recorded (SGLang's
+KVCache attributes; kvcached's elastic pools forward both to it and allocate views for the
+local layers only, kvcached/integration/sglang/patches.py ElasticMHATokenToKVPool).
 
-The PP group is what sync_fixed_hicache_size reduces over: one GroupCoordinator-like
-object per stage, whose cpu_group is a real gloo process group shared by the stages
-run as threads of this process (sglang.srt.distributed.parallel_state.get_pp_group is
-answered per thread).
+The PP group is what sync_fixed_hicache_size reduces over: one GroupCoordinator-like object
+per stage, whose cpu_group is a real gloo process group shared by the stages, run as threads
+of this process (parallel_state.get_pp_group is answered per thread).
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ class Series:
         """The files the series changes, relative to the sglang package."""
         return _series.Series(self.root / "patches").files
 
-    def run(self, script: str, *args, env: dict | None = None, traced: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, script: str, *args, env: dict | None = None,
+            traced: dict | None = None) -> subprocess.CompletedProcess:
         """One of its scripts; ``traced``: under tests/support/trace_run.py with these TRACE_* settings."""
         command = [sys.executable, *([str(TRACER)] if traced else []), str(self.root / "scripts" / script)]
         return subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
@@ -105,8 +106,8 @@ FAKE_PATCHES = [  # (subject, {file: [(old, new)]})
 
 
 def git(folder: Path, *args: str) -> str:
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@t", GIT_AUTHOR_DATE="2026-01-01T00:00:00Z", GIT_COMMITTER_DATE="2026-01-01T00:00:00Z")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_AUTHOR_DATE="2026-01-01T00:00:00Z",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t", GIT_COMMITTER_DATE="2026-01-01T00:00:00Z")
     return subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True, text=True, env=env).stdout
 
 

@@ -1,10 +1,9 @@
 """SGLang's defaults, end to end below the server: ServerArgs -> assembler -> controller.
 
-A ServerArgs parsed from `--enable-hierarchical-cache` (plus the flags a case names) is
-published as the scheduler publishes it; SGLang's own stack builders then build the host
-pools and the HybridCacheController over kvcached-shaped device pools; trips go through
-the controller's write / load / start_loading, as the radix cache drives them. Kernels
-are the exact emulators, streams torch.cpu's (tests/support/controller.py).
+Each case publishes `--enable-hierarchical-cache` (plus the flags it names), SGLang's own
+stack builders build the host pools and the HybridCacheController over kvcached-shaped
+device pools, and trips go through the controller as the radix cache drives it, with the
+exact kernel emulators and torch.cpu's streams (tests/support/controller.py).
 
 With no extra flag this is SGLang's default HiCache: host layout page_first, io backend
 kernel, write policy write_through. On SGLang 0.5.20 without the series the default
@@ -27,6 +26,9 @@ from tests.support.roundtrip import fill_random, mamba_families, mha_families, m
 PAGE = 16
 DEVICE_PAGES = 24       # 8 hold the originals, 16 are load targets
 DATA_PAGES = 8
+PAGES = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
+SLOTS = list(range(1, 11))  # hybrid: slot 0 is kvcached's null slot; 4 hold the originals
+DATA_SLOTS = 4
 TRIPS = 12
 KVCACHED = ("kvcached-contiguous", "kvcached-per-layer")
 
@@ -36,20 +38,15 @@ HYBRID_LAYERS = 8
 HYBRID_FULL = [l for l in range(HYBRID_LAYERS) if l % QWEN35_4B.full_attention_interval == 3]
 HYBRID_LINEAR = [l for l in range(HYBRID_LAYERS) if l not in HYBRID_FULL]
 GDN_CONV, GDN_SSM = [(96, 3)], (2, 16, 16)
+MAMBA = "mamba"  # PoolName.MAMBA (a str enum), named without importing SGLang at collection
 
 
 @pytest.fixture
 def controller_env(host_modules, monkeypatch):
-    """torch.cpu's streams and events (copies run eagerly), no page pinning (no CUDA
-    here); the published config is reset afterwards."""
-    from sglang.srt.managers import cache_controller
-    from sglang.srt.mem_cache import l2_transfer
-    from sglang.srt.mem_cache.pool_host import common
+    """The controller on CPU (tests/support/controller.py); the published config is reset after."""
     from sglang.srt.runtime_context import reset_context
 
-    for module in (cache_controller, l2_transfer):
-        monkeypatch.setattr(module, "device_module", torch.cpu)
-    monkeypatch.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
+    ctl.run_on_cpu(monkeypatch)
     yield host_modules
     reset_context()
 
@@ -67,46 +64,43 @@ def kv_device_pool(kind, layout):
     return pool
 
 
-def run(kind, layout, flags=(), *, trips=TRIPS):
-    """Build the stack from published flags and run trips; returns (group, controller)."""
+def build(kind, layout, flags):
+    """Publish the flags and build the stack over kvcached-shaped pools: (kv, mamba, group, controller)."""
     ctl.publish_server_args(*flags)
     rng = random.Random(0)
-    generator = torch.Generator().manual_seed(0)
     kv = kv_device_pool(kind, layout)
-    pages = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
-    allocator = PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng)
-    mamba, slots = None, None
+    allocator = PageAllocator(kv, PAGES[DATA_PAGES:], PAGE, "cpu", rng)
+    mamba = slot_allocator = None
     if kind == "hybrid":
-        mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV,
+        mamba = mamba_pool(layout, slots=len(SLOTS), layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV,
                            temporal_shape=GDN_SSM, page_bytes=64 << 10)
-        slots = list(range(1, 11))  # slot 0 is kvcached's null slot
-    params = ctl.cache_init_params(kv, allocator, mamba and SlotAllocator(slots[4:], "cpu", rng))
-    group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA",
+        slot_allocator = SlotAllocator(SLOTS[DATA_SLOTS:], "cpu", rng)
+    group, controller = ctl.build_stack(ctl.cache_init_params(kv, allocator, slot_allocator), kv,
+                                        use_mla=kind == "MLA",
                                         full_layers=HYBRID_FULL if kind == "hybrid" else range(kv.layer_num),
                                         mamba_pool=mamba, linear_layers=HYBRID_LINEAR)
+    return kv, mamba, group, controller
+
+
+def run(kind, layout, flags=()):
+    """Build the stack from published flags and run trips; returns (group, controller)."""
+    kv, mamba, group, controller = build(kind, layout, flags)
+    generator = torch.Generator().manual_seed(0)
     host = group.anchor_entry.host_pool
     kv_families = (mla_families if kind == "MLA" else mha_families)(kv, host)
-    fill_random(kv_families, pages_to_rows(pages, PAGE), generator)
+    fill_random(kv_families, pages_to_rows(PAGES, PAGE), generator)
     poison(host.kv_buffer, generator)
-    state_families = []
+    state_families, slots = [], ()
     if mamba is not None:
-        mamba_host = group.get_entry(ctl_pool_name("mamba")).host_pool
+        slots, mamba_host = SLOTS, group.get_pool(MAMBA)
         state_families = mamba_families(mamba, mamba_host)
         fill_random(state_families, torch.tensor(slots), generator)
         for buffer in (mamba_host.temporal_buffer, *mamba_host.conv_buffer):
             poison(buffer, generator)
-    trip = ctl.ControllerRoundTrip(
-        controller, group, kv_families, state_families, page_size=PAGE,
-        data_pages=pages[:DATA_PAGES], scratch_pages=pages[DATA_PAGES:],
-        data_slots=slots[:4] if slots else (), scratch_slots=slots[4:] if slots else (), device="cpu")
-    trip.run(trips)
+    ctl.ControllerRoundTrip(controller, group, kv_families, state_families, page_size=PAGE,
+                            data_pages=PAGES[:DATA_PAGES], scratch_pages=PAGES[DATA_PAGES:],
+                            data_slots=slots[:DATA_SLOTS], scratch_slots=slots[DATA_SLOTS:], device="cpu").run(TRIPS)
     return group, controller
-
-
-def ctl_pool_name(name):
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    return PoolName(name)
 
 
 @pytest.mark.parametrize("layout", ["native", *KVCACHED])
@@ -118,7 +112,7 @@ def test_defaults_back_up_and_load_through_the_controller(controller_env, kind, 
     assert controller.io_backend == "kernel"
     assert controller.write_policy == "write_through"
     if kind == "hybrid":
-        assert group.get_entry(ctl_pool_name("mamba")).host_pool.layout == "page_first"
+        assert group.get_pool(MAMBA).layout == "page_first"
         assert controller.layer_num == HYBRID_LAYERS
 
 
@@ -151,22 +145,14 @@ def test_page_first_direct_through_the_controller_where_views_are_dense(controll
 def test_unserved_layouts_are_refused_when_the_stack_is_built(controller_env, kind, flags):
     """The refusal reaches the operator from SGLang's own builder, before any request."""
     with pytest.raises(ValueError, match="page_head|page_first_direct"):
-        run(kind, "kvcached-contiguous", flags, trips=0)
+        build(kind, "kvcached-contiguous", flags)
 
 
 def hybrid_host_sizes(layout, flags):
     """(KV host tokens, Mamba host slots) as SGLang's builder sizes them for this layout."""
-    ctl.publish_server_args(*flags)
-    rng = random.Random(0)
-    kv = kv_device_pool("hybrid", layout)
-    mamba = mamba_pool(layout, slots=10, layers=len(HYBRID_LINEAR), conv_shapes=GDN_CONV, temporal_shape=GDN_SSM,
-                       page_bytes=64 << 10)
-    params = ctl.cache_init_params(kv, PageAllocator(kv, range(1, DEVICE_PAGES + 1), PAGE, "cpu", rng),
-                                   SlotAllocator(range(1, 11), "cpu", rng))
-    group, _ = ctl.build_stack(params, kv, use_mla=False, full_layers=HYBRID_FULL, mamba_pool=mamba,
-                               linear_layers=HYBRID_LINEAR)
+    _, _, group, _ = build("hybrid", layout, flags)
     try:
-        return group.anchor_entry.host_pool.size, group.get_entry(ctl_pool_name("mamba")).host_pool.size
+        return group.anchor_entry.host_pool.size, group.get_pool(MAMBA).size
     finally:
         ctl.release_host_pools(group)
 

@@ -1,14 +1,14 @@
 """The series changes nothing for SGLang's own pools: pristine 0.5.20 is the oracle.
 
-harness/differential/runner.py runs every case (every host-pool class and builder
-SGLang 0.5.20 has, crossed with every host layout and io backend its parser accepts,
-over SGLang's own dense device pools with real models' shapes) in one process per
-tree: the pristine tree ($PRISTINE_SGLANG) and the tree under test (the `sglang` on
-PYTHONPATH, the patched one under `make test`). The two processes run side by side;
-their outcomes must be identical: the same exception where pristine refuses, the same
-sizes, the same bytes in every host and device buffer after every step. Kernels are
-emulated below SGLang's Python wrappers (harness/emulation/__init__.py). What is covered
-and how to run the same cases on a GPU with the real kernels: docs/differential.md.
+harness/differential/runner.py runs every case (every host-pool class and builder of
+SGLang 0.5.20, crossed with every host layout and io backend its parser accepts, over
+SGLang's own dense device pools with real models' shapes) in one process per tree, side
+by side: the pristine tree ($PRISTINE_SGLANG) and the tree under test (the `sglang` on
+PYTHONPATH, the patched one under `make test`). Outcomes must be identical: the same
+exception where pristine refuses, the same sizes, the same bytes in every host and device
+buffer after every step. Kernels are emulated below SGLang's Python wrappers
+(harness/emulation/__init__.py). What is covered and how to run the same cases on a GPU
+with the real kernels: docs/differential.md.
 """
 from __future__ import annotations
 
@@ -27,10 +27,7 @@ PRISTINE = os.environ.get("PRISTINE_SGLANG")
 # What needs no case, and why; everything else SGLang 0.5.20 defines must have one.
 # (Every host-pool class and builder of 0.5.20 builds on CPU tensors, the NPU MLA pool
 # included: nothing is left out for want of an accelerator.)
-NO_CASE = {
-    "register_stack_strategy": "registers a strategy object for forks of SGLang; builds no pool",
-}
-
+NO_CASE = {"register_stack_strategy": "registers a strategy object for forks of SGLang; builds no pool"}
 
 # Scenarios SGLang 0.5.20 itself refuses in every layout: they compare its refusals
 # only. The test fails the day one of them builds, so that it is compared in full.
@@ -39,17 +36,13 @@ _KONLY = ("MHATokenToKOnlyPoolHost never sets can_use_write_back_jit, which Host
 REFUSED_BY_PRISTINE = {"minimax-sparse/index-k": _KONLY, "minimax-sparse-hiradix/index-k": _KONLY}
 
 
-def tree_under_test() -> Path:
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.origin, "no sglang on PYTHONPATH"
-    return Path(spec.origin).parent.parent
-
-
 @pytest.fixture(scope="module")
 def outcomes():
     if not PRISTINE:
         pytest.skip("set by `make test`: PRISTINE_SGLANG, the pristine tree's python/ folder")
-    trees = {"pristine": Path(PRISTINE).resolve(), "patched": tree_under_test().resolve()}
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin, "no sglang on PYTHONPATH"
+    trees = {"pristine": Path(PRISTINE).resolve(), "patched": Path(spec.origin).parent.parent.resolve()}
     with tempfile.TemporaryDirectory() as out:
         documents = pair.run_pair(trees, Path(out))
     return documents["pristine"], documents["patched"]

@@ -1,13 +1,12 @@
 """SGLang's kernel wrappers, called as the host pools call them, over the emulated kernels.
 
-The wrappers the series changes (kernels/ops/kvcache/hicache.py: the staged
-write-back's source stride; kernels/ops/mamba/transfer_mamba.py: the device slot
-stride) run unchanged; only the compiled kernels below them are
-emulated (harness/emulation/__init__.py). Device buffers are laid out as kvcached lays
-them out (a layer's rows strided by every layer's row, or a layer's states strided by
-every layer's state), every byte random, host buffers poisoned: a stride a wrapper
-drops or defaults wrongly copies other bytes, which the byte comparisons see. The last
-tests check the emulation itself: it refuses what the compiled kernels refuse.
+The wrappers the series changes (kernels/ops/kvcache/hicache.py: the staged write-back's
+source stride; kernels/ops/mamba/transfer_mamba.py: the device slot stride) run unchanged;
+only the compiled kernels below them are emulated (harness/emulation/__init__.py). Device
+buffers are laid out as kvcached lays them out (a layer's rows or states strided by every
+layer's), every byte random, host buffers poisoned: a stride a wrapper drops or defaults
+wrongly copies other bytes, which the byte comparisons see. The last tests check the
+emulation itself: it refuses what the compiled kernels refuse.
 """
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ import pytest
 import torch
 
 from harness.emulation.memory import KernelError
+from tests.support.kvcached_views import mha_pool
+from tests.support.roundtrip import RoundTrip, Rows, fill_random, pages_to_rows, poison
 
 LAYERS, PAGE, ROW = 3, 4, 256  # ROW: bytes per token and layer (the JIT kernels need multiples of 128)
 DEVICE_TOKENS, HOST_TOKENS = 8 * PAGE, 6 * PAGE
@@ -52,15 +53,11 @@ def device_layers(kinds, strided, seed=0):
             for k in range(kinds)], None
 
 
-def page_rows(pages):
-    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
-
-
 def staged_backup(hicache, kinds, strided, *, pass_stride=True):
     layers, stride = device_layers(kinds, strided)
     hosts = [random_bytes(HOST_TOKENS, LAYERS, ROW, seed=99 + k).view(torch.bfloat16) for k in range(kinds)]
     before = [h.clone() for h in hosts]
-    src, dst = page_rows([5, 1, 6]), page_rows([3, 0, 4])  # three pages through two staging pages
+    src, dst = pages_to_rows([5, 1, 6], PAGE), pages_to_rows([3, 0, 4], PAGE)  # three pages through two staging pages
     staging = [torch.empty(2 * PAGE, LAYERS, ROW // 2, dtype=torch.bfloat16) for _ in range(kinds)]
     extra = {"src_stride_bytes": stride} if pass_stride and stride else {}
     if kinds == 2:
@@ -134,8 +131,8 @@ def test_an_explicit_unroll_is_the_one_built_and_launched(hicache, kernel_emulat
         lambda u: hicache.transfer_hicache_all_layer(ptrs, ptrs, index, ptrs, ptrs, index, unroll=u,
                                                      kv_cache_src_stride_bytes=1152, kv_cache_dst_stride_bytes=1152),
         lambda u: hicache.transfer_hicache_one_layer_mla(rows, index, rows.clone(), index, unroll=u),
-        lambda u: hicache.transfer_hicache_all_layer_mla(ptrs, index, ptrs, index, unroll=u, cache_src_stride_bytes=1152,
-                                                         cache_dst_stride_bytes=1152),
+        lambda u: hicache.transfer_hicache_all_layer_mla(ptrs, index, ptrs, index, unroll=u,
+                                                         cache_src_stride_bytes=1152, cache_dst_stride_bytes=1152),
     ]
     for unroll in (4, 1):
         for call in calls:
@@ -198,27 +195,16 @@ def host_image(host, kind, layer):
 def test_sgl_kernel_copies_follow_each_host_layout(host_modules, layout):
     """Rows the JIT kernel cannot take (192 bytes) go through sglang-kernel's warp kernels:
     the emulated offset functions must put every byte where the host layout says."""
-    from tests.support.kvcached_views import mha_pool
-
     pool = mha_pool("native", size=8 * PAGE, page_size=PAGE, layers=LAYERS, heads=2, head_dim=48)
     host = host_modules.mha.MHATokenToKVPoolHost(pool, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
     assert not host.can_use_jit
     generator = torch.Generator().manual_seed(1)
-    for view in (*pool.k_buffer, *pool.v_buffer):
-        view.view(torch.uint8).copy_(torch.randint(0, 256, view.view(torch.uint8).shape, generator=generator,
-                                                   dtype=torch.uint8))
-    device_rows, host_rows, load_rows = page_rows([2, 5]), page_rows([1, 3]), page_rows([6, 7])
-    originals = [[v.clone() for v in kind] for kind in (pool.k_buffer, pool.v_buffer)]
-    host.backup_from_device_all_layer(pool, host_rows, device_rows, "kernel")
-    for kind, views in enumerate((pool.k_buffer, pool.v_buffer)):
-        for layer, view in enumerate(views):
-            assert torch.equal(host_image(host, kind, layer)[host_rows].view(torch.uint8),
-                               view[device_rows].view(torch.uint8)), f"backup: kind {kind} layer {layer}"
-    for layer in range(LAYERS):
-        host.load_to_device_per_layer(pool, host_rows, load_rows, layer, "kernel")
-    for kind, views in enumerate((pool.k_buffer, pool.v_buffer)):
-        for layer, view in enumerate(views):
-            assert torch.equal(view[load_rows].view(torch.uint8), originals[kind][layer][device_rows].view(torch.uint8))
-            others = torch.ones(view.shape[0], dtype=torch.bool)
-            others[load_rows] = False
-            assert torch.equal(view[others].view(torch.uint8), originals[kind][layer][others].view(torch.uint8))
+    families = [Rows(name, views, lambda l, kind=kind: host_image(host, kind, l))
+                for kind, (name, views) in enumerate((("K", pool.k_buffer), ("V", pool.v_buffer)))]
+    device_pages = range(pool.k_buffer[0].shape[0] // PAGE)  # every device row, so no stray write goes unseen
+    fill_random(families, pages_to_rows(device_pages, PAGE), generator)
+    poison(host.kv_buffer, generator)
+    RoundTrip(families, device_pages, range(host.size // PAGE), PAGE, LAYERS,
+              backup=lambda h, d: host.backup_from_device_all_layer(pool, h, d, "kernel"),
+              load=lambda h, d, layer: host.load_to_device_per_layer(pool, h, d, layer, "kernel"),
+              device="cpu").run(4)

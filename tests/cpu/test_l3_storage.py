@@ -1,11 +1,9 @@
 """L3 storage below elastic device pools: a real Mooncake store, and SGLang's file backend.
 
-Each case publishes `--hicache-storage-backend mooncake|file` (with the host layout it
-names), builds the stack with SGLang's own builder (which attaches the backend and starts
-the controller's storage threads), and runs trips from kvcached-shaped device pools
-(strided views, kernels emulated) through host memory to the store, evicts the host
-copy, prefetches it back from the store and loads it to new device pages
-(tests/support/l3_storage.py). Byte-exact, and no other device or host byte changes.
+Each case publishes `--hicache-storage-backend mooncake|file` with the host layout it
+names, builds the stack with SGLang's own builder (which attaches the backend and starts
+the controller's storage threads), and runs trips from kvcached-shaped device pools to
+the store and back (tests/support/l3_storage.py): byte-exact, no other byte changed.
 
 The Mooncake cases run mooncake-transfer-engine's non-CUDA build (requirements/cpu.txt;
 it needs Debian's libibverbs1, which .ci/run installs): a mooncake_master with its HTTP
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -89,14 +86,12 @@ def is_strided(pool):
     return any(not view.is_contiguous() for view in views)
 
 
-def l3_trips(kind, pool_layout, backend, layout, extra_config=None, *, trips=TRIPS):
+def l3_trips(kind, pool_layout, backend, layout, extra_config=None):
     """Publish the flags, build the stack with its storage backend, run the trips, detach.
     Returns what was built: the host pool, the backend, the controller's page I/O.
 
     The prefetch threshold is one page: the radix cache only fetches hits of at least
     that many tokens, and a trip moves 1-3 pages."""
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as asm
-
     extra_config = {**(extra_config or {}), "prefetch_threshold": PAGE}
     ctl.publish_server_args("--hicache-storage-backend", backend, "--hicache-storage-backend-extra-config",
                             json.dumps(extra_config), *LAYOUT_FLAGS[layout])
@@ -106,9 +101,8 @@ def l3_trips(kind, pool_layout, backend, layout, extra_config=None, *, trips=TRI
     pages = list(range(1, DEVICE_PAGES + 1))  # page 0 holds SGLang's padding token
     params = ctl.cache_init_params(kv, PageAllocator(kv, pages[DATA_PAGES:], PAGE, "cpu", rng))
     with l3.single_rank():
-        group, controller = asm.build_kv_only_stack(
-            params=params, kv_pool=kv, full_layer_mapping={i: i for i in range(kv.layer_num)},
-            load_cache_event=threading.Event(), use_mla=kind == "MLA", **l3.storage_options())
+        group, controller = ctl.build_stack(params, kv, use_mla=kind == "MLA", full_layers=range(kv.layer_num),
+                                            **l3.storage_options())
     try:
         assert controller.enable_storage
         host = group.anchor_entry.host_pool
@@ -118,9 +112,8 @@ def l3_trips(kind, pool_layout, backend, layout, extra_config=None, *, trips=TRI
         families = (mla_families if kind == "MLA" else mha_families)(kv, host)
         fill_random(families, pages_to_rows(pages, PAGE), generator)
         poison(host.kv_buffer, generator)
-        trip = l3.StorageRoundTrip(controller, group, families, [], page_size=PAGE, data_pages=pages[:DATA_PAGES],
-                                   scratch_pages=pages[DATA_PAGES:], device="cpu")
-        trip.run(trips)
+        l3.StorageRoundTrip(controller, group, families, [], page_size=PAGE, data_pages=pages[:DATA_PAGES],
+                            scratch_pages=pages[DATA_PAGES:], device="cpu").run(TRIPS)
         return SimpleNamespace(host=host, strided=is_strided(kv), backend=controller.storage_backend,
                                page_get=controller.page_get_func.__name__,
                                page_set=controller.page_set_func.__name__)
@@ -148,7 +141,7 @@ def test_mooncake_round_trip(controller_env, mooncake_master, kind, layout, pool
 @pytest.mark.parametrize("layout,pool_layout", FILE_SERVED)
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
 def test_file_backend_round_trip(controller_env, monkeypatch, tmp_path, kind, layout, pool_layout):
-    l3.file_storage_dir(monkeypatch, tmp_path)
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
     built = l3_trips(kind, pool_layout, "file", layout)
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 

@@ -38,10 +38,11 @@ def cases(test):
     return test
 
 
-def run(target, drafts, host, families, page_size, io_backend):
+def run(kind, target, drafts, host, page_size, io_backend):
+    rows = families(kind, [target, *drafts], host)
     generator = torch.Generator().manual_seed(11)
     used_pages = list(range(1, DEVICE_PAGES))
-    fill_random(families, pages_to_rows(used_pages, page_size), generator)
+    fill_random(rows, pages_to_rows(used_pages, page_size), generator)
     for buffer in (host.kv_buffer if isinstance(host.kv_buffer, (tuple, list)) else (host.kv_buffer,)):
         poison(buffer, generator)
 
@@ -52,16 +53,12 @@ def run(target, drafts, host, families, page_size, io_backend):
             draft = drafts[layer - target.layer_num]
             host.load_to_device_per_layer(draft, h, d, layer, io_backend, is_draft=True)
 
-    rt = RoundTrip(
-        families, used_pages, range(1, host.size // page_size), page_size, target.layer_num + len(drafts),
-        backup=lambda h, d: host.backup_from_device_all_layer(target, h, d, io_backend),
-        load=load, seed=7, device="cpu",
-    )
-    rt.run(TRIPS)
+    RoundTrip(rows, used_pages, range(1, host.size // page_size), page_size, target.layer_num + len(drafts),
+              backup=lambda h, d: host.backup_from_device_all_layer(target, h, d, io_backend),
+              load=load, seed=7, device="cpu").run(TRIPS)
 
 
 def make_pool(kind, layout, size, page_size, layers):
-    """A device pool of the test's MHA or MLA shape in one of the device layouts."""
     if kind == "mha":
         return mha_pool(layout, size=size, page_size=page_size, layers=layers, heads=HEADS, head_dim=HEAD_DIM)
     return mla_pool(layout, size=size, page_size=page_size, layers=layers, kv_lora_rank=KV_LORA_RANK,
@@ -82,16 +79,21 @@ def packed_host(host_modules, kind, target_layout, draft_layout, drafts, page_si
     return target, draft_pools, host
 
 
+def families(kind, pools, host):
+    """Per buffer kind, every pool's layer views in host-layer order (the target's, then each draft's)."""
+    if kind == "mha":
+        return [Rows("K", [v for p in pools for v in p.k_buffer], host_layer_rows(host, host.k_data_refs, 0)),
+                Rows("V", [v for p in pools for v in p.v_buffer], host_layer_rows(host, host.v_data_refs, 1))]
+    return [Rows("KV", [v for p in pools for v in p.kv_buffer], host_layer_rows(host, host.data_refs))]
+
+
 @cases
 def test_mha_packed_drafts(host_modules, target_layout, draft_layout, host_layout, io_backend, drafts,
                            page_size):
     target, draft_pools, host = packed_host(host_modules, "mha", target_layout, draft_layout, drafts, page_size,
                                             host_layout)
     assert host.layer_num == LAYERS + drafts
-    pools = [target, *draft_pools]
-    families = [Rows("K", [v for p in pools for v in p.k_buffer], host_layer_rows(host, host.k_data_refs, 0)),
-                Rows("V", [v for p in pools for v in p.v_buffer], host_layer_rows(host, host.v_data_refs, 1))]
-    run(target, draft_pools, host, families, page_size, io_backend)
+    run("mha", target, draft_pools, host, page_size, io_backend)
 
 
 @cases
@@ -108,27 +110,24 @@ def test_mla_packed_drafts(host_modules, target_layout, draft_layout, host_layou
         return
     target, draft_pools, host = packed_host(host_modules, "mla", target_layout, draft_layout, drafts, page_size,
                                             host_layout)
-    pools = [target, *draft_pools]
-    families = [Rows("KV", [v for p in pools for v in p.kv_buffer], host_layer_rows(host, host.data_refs))]
-    run(target, draft_pools, host, families, page_size, io_backend)
+    run("mla", target, draft_pools, host, page_size, io_backend)
 
 
-@pytest.mark.parametrize("kind", ["mha"])
-def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, kind):
+def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules):
     """The staged write-back gathers all host layers of a page at once and so takes one
     stride; with strided drafts the pool backs up through the all-layer kernel, whose
-    host indices the controller must place on the device (can_use_write_back_jit off)."""
-    make = lambda layers: make_pool(kind, "kvcached-contiguous", 4 * 16, 16, layers)
-    cls = host_class(host_modules, kind)
+    host indices the controller must place on the device (can_use_write_back_jit off).
+    MHA only: the MLA host pool refuses drafts strided unlike the target (above)."""
+    make = lambda layers: make_pool("mha", "kvcached-contiguous", 4 * 16, 16, layers)
+    cls = host_modules.mha.MHATokenToKVPoolHost
     alone = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
     packed = cls(make(LAYERS), 2.0, 0, 16, "page_first", pin_memory=False, device="cpu",
                  mtp_draft_device_pools=[make(1)])
     assert alone.can_use_write_back_jit and not packed.can_use_write_back_jit
     assert [run[:2] for run in packed._device_row_runs] == [(0, LAYERS), (LAYERS, LAYERS + 1)]
     # The packed pool keeps no staging buffer (device memory) for the path it gave up.
-    staging = lambda host: (host.staging_k_buffer, host.staging_v_buffer) if kind == "mha" else (host.staging_buffer,)
-    assert all(buffer is not None for buffer in staging(alone))
-    assert all(buffer is None for buffer in staging(packed))
+    assert alone.staging_k_buffer is not None and alone.staging_v_buffer is not None
+    assert packed.staging_k_buffer is None and packed.staging_v_buffer is None
     # One page backed up: the single pool through the staged write-back, the packed one
     # run by run (target, then draft) through the all-layer kernel.
     launched = host_modules.emulation.recorder.launches
@@ -136,8 +135,6 @@ def test_page_first_with_drafts_backs_up_with_device_host_indices(host_modules, 
         del launched[:]
         page = torch.arange(16, 32)
         host.backup_from_device_all_layer(host.device_pool, page, page, "kernel")
-        if kind == "mla":
-            kernels = [name.replace("launch_all", "launch_all_mla") for name in kernels]
         assert [launch.export for launch in launched] == kernels
 
 
@@ -148,19 +145,10 @@ def test_page_first_without_the_staged_write_back(host_modules, monkeypatch, kin
     module = host_modules.mha if kind == "mha" else host_modules.mla
     monkeypatch.setattr(module, "can_use_write_back_jit_kernel", lambda **kw: False)
     page = 16
-    if kind == "mha":
-        target = mha_pool("kvcached-contiguous", size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
-                          heads=HEADS, head_dim=HEAD_DIM)
-        host = module.MHATokenToKVPoolHost(target, 2.0, 0, page, "page_first", pin_memory=False, device="cpu")
-        families = [Rows("K", target.k_buffer, host_layer_rows(host, host.k_data_refs, 0)),
-                    Rows("V", target.v_buffer, host_layer_rows(host, host.v_data_refs, 1))]
-    else:
-        target = mla_pool("kvcached-contiguous", size=DEVICE_PAGES * page, page_size=page, layers=LAYERS,
-                          kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM)
-        host = module.MLATokenToKVPoolHost(target, 2.0, 0, page, "page_first", pin_memory=False, device="cpu")
-        families = [Rows("KV", target.kv_buffer, host_layer_rows(host, host.data_refs))]
+    target = make_pool(kind, "kvcached-contiguous", DEVICE_PAGES * page, page, LAYERS)
+    host = host_class(host_modules, kind)(target, 2.0, 0, page, "page_first", pin_memory=False, device="cpu")
     assert not host.can_use_write_back_jit
-    run(target, [], host, families, page, "kernel")
+    run(kind, target, [], host, page, "kernel")
 
 
 def test_npu_pools_with_drafts_are_not_asked_for_pointer_tables(host_modules, monkeypatch):

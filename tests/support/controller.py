@@ -1,19 +1,12 @@
 """Backup and load through SGLang's HybridCacheController, as the radix cache drives it.
 
 The host pools and the controller are built by SGLang's own assembler functions
-(build_kv_only_stack, build_hybrid_mamba_stack) from a ServerArgs parsed from command-line
-flags and published the way the scheduler publishes it, so the host layout, io backend
-and --hicache-size split are SGLang's defaults unless a test passes flags. A trip is what
-the radix cache does on a backup and on a later prefix hit:
-
-  write(device tokens, extra_pools=[Mamba slot])  -> host indices (controller-allocated)
-  load(host indices, extra_pools=[Mamba host slot]) + start_loading()
-                                                   -> new device tokens / slot, layer by layer
-
-and the checks are on content, as in roundtrip.py: host rows equal the device rows
-backed up, rows loaded back equal the originals, and no other device or host byte
-changed. Used by the CPU tier (kernels emulated, torch.cpu's streams and events) and the
-GPU tier (real kvcached pools, real JIT kernels, real streams).
+(build_kv_only_stack, build_hybrid_mamba_stack) from a ServerArgs parsed from flags and
+published as the scheduler publishes it, so host layout, io backend and --hicache-size
+split are SGLang's defaults unless a test passes flags. A trip is a backup (write, with
+the Mamba slot as an extra pool) and a later prefix hit (load + start_loading), checked
+on content as in roundtrip.py. Used by the CPU tier (kernels emulated, torch.cpu's
+streams and events) and the GPU tier (real kvcached pools, JIT kernels and streams).
 """
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.support.roundtrip import as_bytes, pages_to_rows
+from tests.support.roundtrip import Expected, pages_to_rows
 
 
 def publish_server_args(*flags: str):
@@ -47,13 +40,15 @@ def cache_init_params(kv_pool, page_allocator, slot_allocator=None):
     )
 
 
-def build_stack(params, kv_pool, *, use_mla, full_layers, mamba_pool=None, linear_layers=()):
-    """SGLang's own builders, as _PlainKvStrategy / _MambaStrategy call them."""
+def build_stack(params, kv_pool, *, use_mla, full_layers, mamba_pool=None, linear_layers=(), **storage):
+    """SGLang's own builders, as _PlainKvStrategy / _MambaStrategy call them; `storage`: the
+    storage options UnifiedRadixCache.init_hicache adds (none: no storage backend)."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as asm
 
+    storage.setdefault("storage_backend", None)
     full_mapping = {layer: i for i, layer in enumerate(full_layers)}
     common = dict(params=params, kv_pool=kv_pool, full_layer_mapping=full_mapping,
-                  load_cache_event=threading.Event(), storage_backend=None, use_mla=use_mla)
+                  load_cache_event=threading.Event(), use_mla=use_mla, **storage)
     if mamba_pool is None:
         return asm.build_kv_only_stack(**common)
     return asm.build_hybrid_mamba_stack(
@@ -83,90 +78,65 @@ class ControllerRoundTrip:
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
         self.controller, self.group, self.device = controller, group, device
-        self.kv_families, self.mamba_families = kv_families, mamba_families
         self.page_size, self.max_pages = page_size, max_pages
         self.rng = random.Random(seed)
         self.data_pages, self.data_slots = list(data_pages), list(data_slots)
         self.mamba = PoolName.MAMBA
-        self.kv_rows = pages_to_rows([*data_pages, *scratch_pages], page_size)
-        self.slot_rows = torch.tensor([*data_slots, *scratch_slots], dtype=torch.int64)
-        self.kv_model = self._model(kv_families, self.kv_rows)
-        self.mamba_model = self._model(mamba_families, self.slot_rows)
-
-    @staticmethod
-    def _model(families, rows):
-        index = {row: i for i, row in enumerate(rows.tolist())}
-        device = [[as_bytes(v[rows.to(v.device)]).clone() for v in f.device] for f in families]
-        host = [[as_bytes(f.host(l)).clone() for l in range(len(f.device))] for f in families]
-        return SimpleNamespace(index=index, device=device, host=host, rows=rows)
+        self.kv = Expected(kv_families, pages_to_rows([*data_pages, *scratch_pages], page_size))
+        self.states = Expected(mamba_families, torch.tensor([*data_slots, *scratch_slots], dtype=torch.int64))
 
     def _wait(self, acks):
         acks[-1].finish_event.synchronize()
         acks.clear()
 
-    def _check_backup(self, families, model, host_rows, src_rows):
-        pos = torch.tensor([model.index[r] for r in src_rows.tolist()])
-        for family, expected, host_model in zip(families, model.device, model.host):
-            for layer in range(len(family.device)):
-                original = expected[layer][pos.to(expected[layer].device)].cpu()
-                assert torch.equal(as_bytes(family.host(layer)[host_rows.cpu()]), original), (
-                    f"{family.name} layer {layer}: host rows differ from the device rows backed up")
-                host_model[layer][host_rows.cpu()] = original
-
-    def _check_load(self, families, model, src_rows, dst_rows):
-        src = torch.tensor([model.index[r] for r in src_rows.tolist()])
-        dst = torch.tensor([model.index[r] for r in dst_rows.tolist()])
-        for family, expected in zip(families, model.device):
-            for layer, view in enumerate(family.device):
-                original = expected[layer][src.to(expected[layer].device)]
-                assert torch.equal(as_bytes(view[dst_rows.to(view.device)]), original), (
-                    f"{family.name} layer {layer}: rows loaded back differ from the originals")
-                expected[layer][dst.to(expected[layer].device)] = original
-
-    def trip(self):
-        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
-
+    def _pick_data_rows(self):
         n = self.rng.randint(1, self.max_pages)
-        src = pages_to_rows(self.rng.sample(self.data_pages, n), self.page_size).to(self.device)
-        extra = None
-        if self.mamba_families:
-            slot = torch.tensor([self.rng.choice(self.data_slots)], dtype=torch.int64, device=self.device)
-            extra = [PoolTransfer(name=self.mamba, device_indices=slot)]
+        return pages_to_rows(self.rng.sample(self.data_pages, n), self.page_size).to(self.device)
+
+    def _write(self, src, extra=None):
+        """write + start_writing, as a backup does; checks the host rows written."""
         host = self.controller.write(src, extra_pools=extra)
         assert host is not None, "host pool full"
         self.controller.start_writing()
         self._wait(self.controller.ack_write_queue)
-        self._check_backup(self.kv_families, self.kv_model, host, src)
-        load_extra = None
-        if extra:
-            host_slot = extra[0].host_indices
-            self._check_backup(self.mamba_families, self.mamba_model, host_slot, slot)
-            load_extra = [PoolTransfer(name=self.mamba, host_indices=host_slot)]
-        dst = self.controller.load(host, extra_pools=load_extra)
+        self.kv.check_backup(host, src)
+        return host
+
+    def _load(self, host, src, extra=None):
+        """load + start_loading, as a prefix hit does; checks the device rows loaded."""
+        dst = self.controller.load(host, extra_pools=extra)
         assert dst is not None, "device pool full"
         self.controller.start_loading()
         self._wait(self.controller.ack_load_queue)
-        self._check_load(self.kv_families, self.kv_model, src, dst)
+        self.kv.check_load(src, dst)
+        return dst
+
+    def trip(self):
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+        src = self._pick_data_rows()
+        extra = load_extra = None
+        if self.states.families:
+            slot = torch.tensor([self.rng.choice(self.data_slots)], dtype=torch.int64, device=self.device)
+            extra = [PoolTransfer(name=self.mamba, device_indices=slot)]
+        host = self._write(src, extra)
+        if extra:
+            host_slot = extra[0].host_indices
+            self.states.check_backup(host_slot, slot)
+            load_extra = [PoolTransfer(name=self.mamba, host_indices=host_slot)]
+        dst = self._load(host, src, load_extra)
         self.group.free(host)
         self.controller.mem_pool_device_allocator.free(dst)
         if load_extra:
-            self._check_load(self.mamba_families, self.mamba_model, slot, load_extra[0].device_indices)
+            self.states.check_load(slot, load_extra[0].device_indices)
             self.group.free(host_slot, pool=self.mamba)
             self.group.get_entry(self.mamba).device_free_fn(load_extra[0].device_indices)
-
-    def check_untouched(self):
-        for families, model in ((self.kv_families, self.kv_model), (self.mamba_families, self.mamba_model)):
-            for family, expected, host_model in zip(families, model.device, model.host):
-                for layer, view in enumerate(family.device):
-                    assert torch.equal(as_bytes(view[model.rows.to(view.device)]), expected[layer]), (
-                        f"{family.name} layer {layer}: device rows no trip targeted changed")
-                    assert torch.equal(as_bytes(family.host(layer)), host_model[layer]), (
-                        f"{family.name} layer {layer}: host rows no trip targeted changed")
 
     def run(self, trips):
         for _ in range(trips):
             self.trip()
-        self.check_untouched()
+        self.kv.check_untouched()
+        self.states.check_untouched()
 
 
 def run_on_cpu(monkeypatch):

@@ -23,6 +23,11 @@ FAKE_PAGE = 64 << 10
 LAYOUTS = ("native", "kvcached-contiguous", "kvcached-per-layer")
 
 
+def _dense_strides(shape):
+    """Element strides of a contiguous tensor of this shape."""
+    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
 def _kv_views(layout, rows_wanted, page_size, row_shape, layers, dtype, num_k_or_v):
     """(list of per-layer view lists), following alloc_kv_cache."""
     if layout == "native":
@@ -45,13 +50,8 @@ def _kv_views(layout, rows_wanted, page_size, row_shape, layers, dtype, num_k_or
     views = [[] for _ in range(num_k_or_v)]
     for _ in range(layers):
         raw = torch.zeros(per_layer * num_k_or_v // dtype.itemsize, dtype=dtype)
-        kv_shape = [num_k_or_v, tokens, *row_shape]
-        strides = [0] * len(kv_shape)
-        strides[-1] = 1
-        for i in range(len(kv_shape) - 2, 0, -1):
-            strides[i] = strides[i + 1] * kv_shape[i + 1]
-        strides[0] = per_layer // dtype.itemsize
-        kv = torch.as_strided(raw, kv_shape, strides)
+        kv = torch.as_strided(raw, (num_k_or_v, tokens, *row_shape),
+                              (per_layer // dtype.itemsize, *_dense_strides((tokens, *row_shape))))
         for i in range(num_k_or_v):
             views[i].append(kv[i])
     return views
@@ -149,20 +149,13 @@ def mamba_pool(layout, *, slots, layers, conv_shapes, temporal_shape, conv_dtype
         cell = min(d for d in range(raw_cell, page_bytes + 1) if page_bytes % d == 0)
         per_layer = align(num_slots * cell, page_bytes)
 
-        def inner(shape):
-            out, running = [], 1
-            for d in reversed(shape):
-                out.insert(0, running)
-                running *= d
-            return out
-
         if layout == "kvcached-contiguous":
             flat = torch.zeros(per_layer * layers, dtype=torch.int8)
 
             def view(shape, dtype, off):
                 isz = dtype.itemsize
                 return torch.as_strided(flat.view(dtype), (layers, num_slots, *shape),
-                                        [cell // isz, layers * cell // isz, *inner(shape)], off // isz)
+                                        [cell // isz, layers * cell // isz, *_dense_strides(shape)], off // isz)
             cache = MambaPool.State(conv=[view(s, conv_dtype, o) for s, o in zip(conv_shapes, offsets)],
                                     temporal=view(temporal_shape, temporal_dtype, temporal_offset))
         else:
@@ -170,7 +163,7 @@ def mamba_pool(layout, *, slots, layers, conv_shapes, temporal_shape, conv_dtype
 
             def view(raw, shape, dtype, off):
                 isz = dtype.itemsize
-                return torch.as_strided(raw.view(dtype), (num_slots, *shape), [cell // isz, *inner(shape)],
+                return torch.as_strided(raw.view(dtype), (num_slots, *shape), [cell // isz, *_dense_strides(shape)],
                                         off // isz)
             cache = PerLayerMambaState(
                 MambaPool.State,

@@ -20,44 +20,34 @@ from __future__ import annotations
 import os
 import queue
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from harness.mooncake_store import MooncakeMaster  # noqa: F401  (the harness's: one launcher)
 from tests.support.controller import ControllerRoundTrip
-from tests.support.roundtrip import as_bytes, pages_to_rows
+from tests.support.roundtrip import as_bytes, poison
 
 # Every wait on a storage thread is bounded; a hang fails the test.
 THREAD_WAIT_S = 30
-
-
 IBVERBS = "libibverbs.so.1"
 REQUIRE_ENV = "SGLANG_TEST_REQUIRE_MOONCAKE"
 
 
-def missing_libibverbs() -> str | None:
-    """Why Mooncake's native libraries cannot load here (None when they can): they link
-    libibverbs.so.1 (Debian's libibverbs1), even for TCP on loopback."""
+def require_mooncake() -> None:
+    """Mooncake's native libraries link libibverbs.so.1 (Debian's libibverbs1), even for TCP
+    on loopback. Without it: skip (with the reason, shown by `make test`'s -rs), or fail
+    where $SGLANG_TEST_REQUIRE_MOONCAKE=1 (.ci/run, which installs it)."""
     import ctypes
+
+    import pytest
 
     try:
         ctypes.CDLL(IBVERBS)
     except OSError:
-        return (f"{IBVERBS} missing: Mooncake's libraries link it (as root: apt-get install libibverbs1, "
-                "as .ci/run does)")
-    return None
-
-
-def require_mooncake() -> None:
-    """Skip (with the reason, shown by `make test`'s -rs) where libibverbs1 is missing; fail
-    instead where $SGLANG_TEST_REQUIRE_MOONCAKE=1 (.ci/run, which installs it)."""
-    import pytest
-
-    reason = missing_libibverbs()
-    if reason and os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires the Mooncake tests to run")
-    if reason:
+        reason = (f"{IBVERBS} missing: Mooncake's libraries link it (as root: apt-get install libibverbs1, "
+                  "as .ci/run does)")
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires the Mooncake tests to run")
         pytest.skip(reason)
 
 
@@ -121,10 +111,6 @@ class StorageRoundTrip(ControllerRoundTrip):
         self.trips_done = 0
         self.token_rng = torch.Generator().manual_seed(1234)
 
-    def _tokens(self, n_tokens):
-        # Distinct token ids per trip, so every trip's page hashes (storage keys) are new.
-        return torch.randint(0, 1 << 30, (n_tokens,), generator=self.token_rng).tolist()
-
     def _evict_and_overwrite(self, host_rows):
         """Free the host rows and overwrite them through the host pool's own page writer,
         so that a prefetch that did not read storage leaves wrong bytes behind."""
@@ -132,10 +118,9 @@ class StorageRoundTrip(ControllerRoundTrip):
         self.controller.evict_host(host_rows)
         for start in host_rows[:: self.page_size].tolist():
             page = host_pool.get_dummy_flat_data_page()
-            page.view(torch.uint8).copy_(torch.randint(0, 256, page.view(torch.uint8).shape, dtype=torch.uint8,
-                                                       generator=self.token_rng))
+            poison(page, self.token_rng)
             host_pool.set_from_flat_data_page(start, page)
-        for family, host_model in zip(self.kv_families, self.kv_model.host):
+        for family, host_model in zip(self.kv.families, self.kv.host):
             for layer in range(len(family.device)):
                 host_model[layer][host_rows.cpu()] = as_bytes(family.host(layer)[host_rows.cpu()])
 
@@ -173,32 +158,16 @@ class StorageRoundTrip(ControllerRoundTrip):
     def trip(self):
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-        n = self.rng.randint(1, self.max_pages)
-        src = pages_to_rows(self.rng.sample(self.data_pages, n), self.page_size).to(self.device)
-        tokens = self._tokens(len(src))
+        src = self._pick_data_rows()
+        # Distinct token ids per trip, so every trip's page hashes (storage keys) are new.
+        tokens = torch.randint(0, 1 << 30, (len(src),), generator=self.token_rng).tolist()
         hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
         self.trips_done += 1
-
-        host = self.controller.write(src)
-        assert host is not None, "host pool full"
-        self.controller.start_writing()
-        self._wait(self.controller.ack_write_queue)
-        self._check_backup(self.kv_families, self.kv_model, host, src)
-
+        host = self._write(src)
         self._backup_to_storage(host, tokens, hashes)
         self._evict_and_overwrite(host)
         fetched = self._prefetch_from_storage(tokens)
-        self._check_backup(self.kv_families, self.kv_model, fetched, src)
-
-        dst = self.controller.load(fetched)
-        assert dst is not None, "device pool full"
-        self.controller.start_loading()
-        self._wait(self.controller.ack_load_queue)
-        self._check_load(self.kv_families, self.kv_model, src, dst)
+        self.kv.check_backup(fetched, src)
+        dst = self._load(fetched, src)
         self.controller.evict_host(fetched)
         self.controller.mem_pool_device_allocator.free(dst)
-
-
-def file_storage_dir(monkeypatch, path: Path):
-    """Point SGLang's file backend (HiCacheFile) at `path`."""
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", os.fspath(path))

@@ -2,14 +2,10 @@
 
 A trip backs up random pages (slots, for Mamba) of a device pool to random host pages
 through the host pool's own ``backup_from_device_all_layer``, then loads them layer by
-layer into other random device pages through ``load_to_device_per_layer``, and checks
-content, not calls:
-
-* the host rows equal the device rows they were backed up from, per layer and state;
-* the device rows loaded back equal the originals, byte for byte;
-* nothing else changed: every device row in use and every host row are compared, at
-  the end, with an independent model of what the trips wrote. Every byte starts out
-  random, so a stray write or a wrong stride shows.
+layer into other random device pages through ``load_to_device_per_layer``. The checks
+are on content (Expected): host rows equal the device rows backed up, rows loaded back
+equal the originals byte for byte, and at the end no other device row in use and no host
+row changed. Every byte starts out random, so a stray write or a wrong stride shows.
 """
 from __future__ import annotations
 
@@ -85,6 +81,45 @@ def poison(tensor: torch.Tensor, generator: torch.Generator):
     flat.copy_(torch.randint(0, 256, flat.shape, generator=generator, dtype=torch.uint8).to(flat.device))
 
 
+class Expected:
+    """What each device row in `rows` and each host row should hold, per family and layer."""
+
+    def __init__(self, families: list[Rows], rows: torch.Tensor):
+        self.families, self.rows = families, rows
+        self.index = {row: i for i, row in enumerate(rows.tolist())}
+        self.device = [[as_bytes(v[rows.to(v.device)]).clone() for v in f.device] for f in families]
+        self.host = [[as_bytes(f.host(l)).clone() for l in range(len(f.device))] for f in families]
+
+    def _positions(self, rows):
+        return torch.tensor([self.index[r] for r in rows.tolist()])
+
+    def check_backup(self, host_rows, src_rows):
+        host_rows, src = host_rows.cpu(), self._positions(src_rows)
+        for family, expected, host_model in zip(self.families, self.device, self.host):
+            for layer in range(len(family.device)):
+                original = expected[layer][src.to(expected[layer].device)].cpu()
+                assert torch.equal(as_bytes(family.host(layer)[host_rows]), original), (
+                    f"{family.name} layer {layer}: host rows differ from the device rows backed up")
+                host_model[layer][host_rows] = original
+
+    def check_load(self, src_rows, dst_rows):
+        src, dst = self._positions(src_rows), self._positions(dst_rows)
+        for family, expected in zip(self.families, self.device):
+            for layer, view in enumerate(family.device):
+                original = expected[layer][src.to(expected[layer].device)]
+                assert torch.equal(as_bytes(view[dst_rows.to(view.device)]), original), (
+                    f"{family.name} layer {layer}: rows loaded back differ from the originals")
+                expected[layer][dst.to(expected[layer].device)] = original
+
+    def check_untouched(self):
+        for family, expected, host_model in zip(self.families, self.device, self.host):
+            for layer, view in enumerate(family.device):
+                assert torch.equal(as_bytes(view[self.rows.to(view.device)]), expected[layer]), (
+                    f"{family.name} layer {layer}: device rows no trip targeted changed")
+                assert torch.equal(as_bytes(family.host(layer)), host_model[layer]), (
+                    f"{family.name} layer {layer}: host rows no trip targeted changed")
+
+
 class RoundTrip:
     """Runs trips over one (device pool, host pool) pair and keeps the expected model.
 
@@ -94,15 +129,12 @@ class RoundTrip:
 
     def __init__(self, families, used_pages, host_pages, page_size, num_layers,
                  backup, load, *, seed=0, max_pages=4, host_runs=False, device="cuda"):
-        self.families, self.page_size, self.num_layers = families, page_size, num_layers
+        self.page_size, self.num_layers = page_size, num_layers
         self.used_pages, self.host_pages = list(used_pages), list(host_pages)
         self.backup, self.load, self.device = backup, load, device
         self.max_pages, self.host_runs = max_pages, host_runs
         self.rng = random.Random(seed)
-        self.used = pages_to_rows(self.used_pages, page_size)
-        self.position = {row: i for i, row in enumerate(self.used.tolist())}
-        self.expect_device = [[as_bytes(v[self.used.to(v.device)]).clone() for v in f.device] for f in families]
-        self.expect_host = [[as_bytes(f.host(l)).clone() for l in range(num_layers)] for f in families]
+        self.expected = Expected(families, pages_to_rows(self.used_pages, page_size))
 
     def _sync(self):
         if self.device != "cpu":
@@ -127,35 +159,13 @@ class RoundTrip:
         hst = pages_to_rows(self.pick_host_pages(n), self.page_size)
         self.backup(hst, src.to(self.device))
         self._sync()
-        src_pos = torch.tensor([self.position[r] for r in src.tolist()])
-        dst_pos = torch.tensor([self.position[r] for r in dst.tolist()])
-        for family, expected, host_model in zip(self.families, self.expect_device, self.expect_host):
-            for layer in range(self.num_layers):
-                original = expected[layer][src_pos.to(expected[layer].device)]
-                host_rows = as_bytes(family.host(layer)[hst])
-                assert torch.equal(host_rows, original.cpu()), (
-                    f"{family.name} layer {layer}: host rows differ from the device rows backed up")
-                host_model[layer][hst] = original.cpu()
+        self.expected.check_backup(hst, src)
         for layer in range(self.num_layers):
             self.load(hst, dst.to(self.device), layer)
         self._sync()
-        for family, expected in zip(self.families, self.expect_device):
-            for layer, view in enumerate(family.device):
-                original = expected[layer][src_pos.to(expected[layer].device)]
-                loaded = as_bytes(view[dst.to(view.device)])
-                assert torch.equal(loaded, original), (
-                    f"{family.name} layer {layer}: rows loaded back differ from the originals")
-                expected[layer][dst_pos.to(expected[layer].device)] = original
-
-    def check_untouched(self):
-        for family, expected, host_model in zip(self.families, self.expect_device, self.expect_host):
-            for layer, view in enumerate(family.device):
-                assert torch.equal(as_bytes(view[self.used.to(view.device)]), expected[layer]), (
-                    f"{family.name} layer {layer}: device rows no trip targeted changed")
-                assert torch.equal(as_bytes(family.host(layer)), host_model[layer]), (
-                    f"{family.name} layer {layer}: host rows no trip targeted changed")
+        self.expected.check_load(src, dst)
 
     def run(self, trips: int):
         for _ in range(trips):
             self.trip()
-        self.check_untouched()
+        self.expected.check_untouched()

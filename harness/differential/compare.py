@@ -75,7 +75,7 @@ def _debug(case, difference):
 
 # The emulators' messages for what a GPU does not refuse but suffers: a copy outside its
 # allocation (harness.emulation.memory.Region.at), a null pointer in a kernel's pointer table
-# (Region.of_address), the launcher's integer division by zero (emulated_aot._indices).
+# (Region.of_address), the launcher's integer division by zero (harness.emulation.aot._indices).
 FAULTS = ("illegal memory access", "null pointer in a kernel pointer table", "integer division by zero")
 
 

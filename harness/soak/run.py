@@ -89,7 +89,7 @@ class Soak:
                 "max_total_tokens": o.max_total_tokens, "budget_mode": o.budget_mode,
                 "budget_fraction": o.budget_fraction, "floor_tokens": o.floor_tokens,
                 "max_cached_tokens": o.max_cached_tokens, "gpu_utilization": o.gpu_utilization,
-                "warmup_s": o.warmup_s,
+                "warmup_s": o.warmup_s, "hybrid_reserve": o.hybrid_reserve,
                 "hicache_ratio": o.hicache_ratio,
                 "small_host_ratio": o.small_host_ratio, "max_new_tokens": o.max_new_tokens,
                 "abort_rate": o.abort_rate, "deterministic": not o.no_deterministic, "seed": o.seed,

@@ -358,12 +358,16 @@ def test_an_edited_series_is_refused_and_named_with_or_without_git(tmp_path, dam
     before, exported = digest(tree), {p.name: p.read_bytes() for p in patches.iterdir()}
     assert fake.run("status", tree).returncode == 3  # sound as exported
     said = {}
+
+    def restore():
+        for p in patches.iterdir():
+            p.unlink()
+        for name, data in exported.items():
+            (patches / name).write_bytes(data)
+
     for checkout in (False, True):
         if checkout:  # the series as exported committed, then damaged again
-            for p in patches.iterdir():
-                p.unlink()
-            for name, data in exported.items():
-                (patches / name).write_bytes(data)
+            restore()
             git(fake.root, "init", "-q")
             git(fake.root, "add", "-A")
             git(fake.root, "commit", "-qm", "x")
@@ -375,6 +379,8 @@ def test_an_edited_series_is_refused_and_named_with_or_without_git(tmp_path, dam
             said.setdefault(verb, set()).add(proc.stderr)
     assert all(len(messages) == 1 for messages in said.values()), said  # git or not: the same refusal
     assert digest(tree) == before
+    restore()
+    assert fake.run("apply", tree).returncode == 0  # the refusals left nothing behind
 
 
 @pytest.mark.parametrize("damage", ["not json", "no patches", "a file's entry not a dict"])

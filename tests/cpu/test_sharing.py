@@ -21,7 +21,7 @@ B, D = P.BASELINE, P.PRODUCT
 # kvcached page); a 64 MiB budget: a static share of 2,048 tokens under a working set of
 # 2,688; the sample's prefixes (1,536 tokens) over kvcached's cap (1,024): they come back from host
 TINY = {"models": ["qwen2-tiny", "qwen2-tiny"], "variants": [B, D], "rounds": 2, "phases": ["bursts", "even"],
-        "even_rounds": 2, "phase_s": 1.0, "drain_s": 10, "windows": 2, "burst_rate": 12, "idle_rate": 2,
+        "even_rounds": 2, "phase_s": 1.5, "drain_s": 10, "windows": 2, "burst_rate": 12, "idle_rate": 2,
         "wave_rate": 12, "even_rate": 6, "kv_budget_gib": 0.0625, "host_gb": 0.1, "groups": 4, "prefix_tokens": 512,
         "conversations": 2, "turns": 2, "user_tokens": 32, "reply_tokens": 16, "max_new_tokens": 4,
         "sample_groups": 3, "sample_prefix_tokens": 512, "sample_questions": 2, "sample_question_tokens": 32,
